@@ -1,0 +1,116 @@
+"""The allocation rules of API.md, as pure functions.
+
+Let M be the limiter's ``max_concurrent``, r_w a workload's reservation, c_w its ceiling and a_w
+its active slots. The shared capacity is S = M - sum(r_w). Workload w has room iff
+``a_w < c_w and (a_w < r_w or sum_v max(0, a_v - r_v) < S)``.
+
+A slot counts against its workload's reservation first and against the shared capacity only
+beyond it, so a reserved slot is never lent: other workloads can only ever take from S.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import attrs
+
+__all__ = ("Rules", "WorkloadRule", "allocate", "has_room", "shared_in_use")
+
+E = TypeVar("E")
+
+
+@attrs.frozen(kw_only=True)
+class WorkloadRule:
+    """The part of a workload's settings that allocation needs."""
+
+    ceiling: int
+    reserved: int
+    priority: int
+
+
+@attrs.frozen(kw_only=True)
+class Rules:
+    """Validated limits: the input of every allocation decision."""
+
+    max_concurrent: int
+    workloads: Mapping[str, WorkloadRule]
+    shared: int = attrs.field(init=False)
+
+    @shared.default
+    def _shared(self) -> int:
+        return self.max_concurrent - sum(w.reserved for w in self.workloads.values())
+
+
+def shared_in_use(rules: Rules, active: Mapping[str, int]) -> int:
+    """How much of the shared capacity S the active slots occupy."""
+    return sum(
+        max(0, active.get(name, 0) - rule.reserved) for name, rule in rules.workloads.items()
+    )
+
+
+def has_room(rules: Rules, active: Mapping[str, int], workload: str) -> bool:
+    """Whether one more slot of ``workload`` may be granted now."""
+    rule = rules.workloads[workload]
+    held = active.get(workload, 0)
+    if held >= rule.ceiling:
+        return False
+    return held < rule.reserved or shared_in_use(rules, active) < rules.shared
+
+
+_EMPTY: Any = object()
+
+
+def allocate(
+    rules: Rules,
+    active: Mapping[str, int],
+    queues: Mapping[str, Iterable[E]],
+    order: Callable[[E], Any],
+) -> list[E]:
+    """Return the queued requests to grant now, in grant order.
+
+    Args:
+        rules: The limits.
+        active: Active (valid) slots per workload. Not modified.
+        queues: Each workload's waiting requests in arrival order. Only the heads that are
+            granted are read, so a long queue costs nothing.
+        order: The waiting-time key of a request: a smaller key has waited longer. Among
+            workloads of equal priority the head with the smallest key goes first.
+
+    Repeatedly, among the workloads that have room and waiters, the one with the highest
+    priority is served (a tie goes to the head that has waited longest), until no workload
+    with waiters has room. The result satisfies "no waiter while its workload has room".
+    """
+    counts = dict(active)
+    cursors: dict[str, Iterator[E]] = {}
+    heads: dict[str, E] = {}
+    for name, queue in queues.items():
+        cursor = iter(queue)
+        head = next(cursor, _EMPTY)
+        if head is not _EMPTY:
+            cursors[name] = cursor
+            heads[name] = head
+    grants: list[E] = []
+    while heads:
+        best: str | None = None
+        best_key: tuple[int, Any] | None = None
+        for name, head in heads.items():
+            if not has_room(rules, counts, name):
+                continue
+            priority = rules.workloads[name].priority
+            if (
+                best_key is None
+                or priority > best_key[0]
+                or (priority == best_key[0] and order(head) < best_key[1])
+            ):
+                best, best_key = name, (priority, order(head))
+        if best is None:
+            break
+        grants.append(heads[best])
+        counts[best] = counts.get(best, 0) + 1
+        following = next(cursors[best], _EMPTY)
+        if following is _EMPTY:
+            del heads[best]
+        else:
+            heads[best] = following
+    return grants

@@ -1,0 +1,164 @@
+"""The in-process state of a limiter: wait queues and lease table, with ``now`` passed in.
+
+A backend keeps one :class:`LimiterState` and calls it synchronously, so every read and the
+grant that follows happen with no ``await`` in between: that is what makes allocation atomic in
+memory. Each method that can free capacity returns the tickets it granted; the caller wakes
+their waiters.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import secrets
+from collections import OrderedDict
+from typing import Any
+
+import attrs
+
+from .._errors import ConcurrencyQueueFullError
+from .rules import Rules, allocate, has_room
+
+__all__ = ("LeaseRecord", "LimiterState", "Ticket")
+
+
+@attrs.define(eq=False)
+class LeaseRecord:
+    lease_id: str
+    workload: str
+    expires_at: float
+
+
+@attrs.define(eq=False)
+class Ticket:
+    """One request for a slot. ``lease`` is set when it is granted; ``waker`` is the shell's."""
+
+    seq: int
+    workload: str
+    enqueued_at: float
+    lease: LeaseRecord | None = None
+    waker: Any = None
+
+
+def _arrival(ticket: Ticket) -> int:
+    # In one process arrival order is also waiting-time order: seq grows with time.
+    return ticket.seq
+
+
+class LimiterState:
+    """Queues and leases of one limiter. Not thread-safe; never awaits."""
+
+    def __init__(self, rules: Rules, *, max_queued: int | None, lease_ttl: float) -> None:
+        self.rules = rules
+        self.max_queued = max_queued
+        self.lease_ttl = lease_ttl
+        self.queues: dict[str, OrderedDict[int, Ticket]] = {
+            name: OrderedDict() for name in rules.workloads
+        }
+        self.active: dict[str, int] = dict.fromkeys(rules.workloads, 0)
+        self.leases: dict[str, LeaseRecord] = {}
+        self.queued = 0
+        # (expires_at, lease_id); stale entries (renewed or released leases) are skipped.
+        self._expiries: list[tuple[float, str]] = []
+        self._seq = itertools.count()
+        # A per-state prefix keeps lease ids unique across limiters and restarts.
+        self._prefix = secrets.token_hex(6)
+        self._lease_seq = itertools.count(1)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def submit(self, workload: str, now: float) -> tuple[Ticket, list[Ticket]]:
+        """Add a request; return it (granted at once when ``ticket.lease`` is set) and any
+        tickets granted because expired leases were swept first.
+
+        Raises:
+            ConcurrencyQueueFullError: it would have to wait and ``max_queued`` are waiting.
+        """
+        swept = self.expire(now) if self._expiries and self._expiries[0][0] <= now else []
+        ticket = Ticket(seq=next(self._seq), workload=workload, enqueued_at=now)
+        # Fast path of `allocate`: an empty queue means every earlier waiter belongs to a
+        # workload without room, so this request goes first iff its own workload has room.
+        if not self.queues[workload] and has_room(self.rules, self.active, workload):
+            self._grant(ticket, now)
+            return ticket, swept
+        if self.max_queued is not None and self.queued >= self.max_queued:
+            raise ConcurrencyQueueFullError(
+                f"{self.queued} requests are already waiting (max_queued={self.max_queued})"
+            )
+        self.queues[workload][ticket.seq] = ticket
+        self.queued += 1
+        return ticket, swept
+
+    def withdraw(self, ticket: Ticket, now: float) -> list[Ticket]:
+        """Take a request back: out of the queue, or, if it was granted meanwhile, give the
+        slot back. Idempotent. Returns the tickets granted with the freed capacity."""
+        if ticket.lease is not None:
+            return self.release(ticket.lease.lease_id, now)
+        if self.queues[ticket.workload].pop(ticket.seq, None) is not None:
+            self.queued -= 1
+        return []
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def release(self, lease_id: str, now: float) -> list[Ticket]:
+        """End a lease (idempotent) and grant what it frees."""
+        record = self.leases.pop(lease_id, None)
+        if record is None:
+            return []
+        self.active[record.workload] -= 1
+        return self._allocate(now)
+
+    def renew(self, lease_id: str, now: float) -> LeaseRecord | None:
+        """Extend a valid lease by ``lease_ttl``; None when it is no longer held."""
+        record = self.leases.get(lease_id)
+        if record is None or record.expires_at <= now:
+            return None
+        record.expires_at = now + self.lease_ttl
+        heapq.heappush(self._expiries, (record.expires_at, lease_id))
+        return record
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Drop every lease whose time is up and grant what that frees."""
+        expired = False
+        while self._expiries and self._expiries[0][0] <= now:
+            expires_at, lease_id = heapq.heappop(self._expiries)
+            record = self.leases.get(lease_id)
+            if record is not None and record.expires_at == expires_at:
+                del self.leases[lease_id]
+                self.active[record.workload] -= 1
+                expired = True
+        return self._allocate(now) if expired else []
+
+    def next_expiry(self) -> float | None:
+        """When the earliest lease may expire (a lower bound: renewals move it later)."""
+        while self._expiries:
+            expires_at, lease_id = self._expiries[0]
+            record = self.leases.get(lease_id)
+            if record is not None and record.expires_at == expires_at:
+                return expires_at
+            heapq.heappop(self._expiries)
+        return None
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _grant(self, ticket: Ticket, now: float) -> None:
+        lease_id = f"{self._prefix}-{next(self._lease_seq)}"
+        record = LeaseRecord(
+            lease_id=lease_id, workload=ticket.workload, expires_at=now + self.lease_ttl
+        )
+        self.leases[lease_id] = record
+        self.active[ticket.workload] += 1
+        heapq.heappush(self._expiries, (record.expires_at, lease_id))
+        ticket.lease = record
+
+    def _allocate(self, now: float) -> list[Ticket]:
+        if not self.queued:
+            return []
+        granted = allocate(
+            self.rules, self.active, {w: q.values() for w, q in self.queues.items()}, _arrival
+        )
+        for ticket in granted:
+            del self.queues[ticket.workload][ticket.seq]
+            self.queued -= 1
+            self._grant(ticket, now)
+        return granted

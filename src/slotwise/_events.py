@@ -1,0 +1,178 @@
+"""The structured events a limiter emits, one frozen class per ``kind``.
+
+Events identify the limiter, the workload, the run lineage and the request, and carry only the
+fields listed in API.md: never a prompt, an argument, a header or a credential.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeAlias
+
+import attrs
+
+__all__ = (
+    "AcquiredEvent",
+    "ConcurrencyEvent",
+    "ConfigErrorEvent",
+    "EventKind",
+    "LeaseLostEvent",
+    "LimiterErrorEvent",
+    "QueueFullEvent",
+    "ReleaseFailedEvent",
+    "ReleasedEvent",
+    "RenewalFailedEvent",
+    "TimedOutEvent",
+    "WaitCancelledEvent",
+    "WaitStartedEvent",
+)
+
+Outcome: TypeAlias = Literal["completed", "failed", "cancelled"]
+
+
+@attrs.frozen(kw_only=True)
+class _Event:
+    """Fields every event has.
+
+    Attributes:
+        limiter: The limiter's name.
+        workload: The request's workload (None when it could not be resolved).
+        run_id: The run that made the request, None outside a run.
+        root_run_id: The root of that run's tree.
+        parent_run_id: The run's parent, None for a root run.
+        request_id: The slot request this event belongs to.
+        timestamp: When it happened, in seconds since the epoch.
+    """
+
+    limiter: str
+    workload: str | None
+    run_id: str | None
+    root_run_id: str | None
+    parent_run_id: str | None
+    request_id: str | None
+    timestamp: float
+
+
+@attrs.frozen(kw_only=True)
+class WaitStartedEvent(_Event):
+    """A request asked for a slot. ``deadline`` (epoch seconds) is when it stops waiting."""
+
+    kind: Literal["wait-started"] = "wait-started"
+    deadline: float | None
+
+
+@attrs.frozen(kw_only=True)
+class AcquiredEvent(_Event):
+    """A request got its slot after ``wait_time`` seconds."""
+
+    kind: Literal["acquired"] = "acquired"
+    lease_id: str
+    wait_time: float
+
+
+@attrs.frozen(kw_only=True)
+class TimedOutEvent(_Event):
+    """No slot before the deadline; the request left the queue."""
+
+    kind: Literal["timed-out"] = "timed-out"
+    wait_time: float
+
+
+@attrs.frozen(kw_only=True)
+class QueueFullEvent(_Event):
+    """The queue was full; the request was refused at once."""
+
+    kind: Literal["queue-full"] = "queue-full"
+    wait_time: float
+
+
+@attrs.frozen(kw_only=True)
+class WaitCancelledEvent(_Event):
+    """The waiting request was cancelled and left the queue."""
+
+    kind: Literal["wait-cancelled"] = "wait-cancelled"
+    wait_time: float
+
+
+@attrs.frozen(kw_only=True)
+class LimiterErrorEvent(_Event):
+    """The limiter failed during acquisition; the body did not run. ``error`` names the
+    exception type and message."""
+
+    kind: Literal["limiter-error"] = "limiter-error"
+    wait_time: float
+    error: str
+
+
+@attrs.frozen(kw_only=True)
+class ConfigErrorEvent(_Event):
+    """The request named an unknown workload, or none where one is required."""
+
+    kind: Literal["config-error"] = "config-error"
+    error: str
+
+
+@attrs.frozen(kw_only=True)
+class ReleasedEvent(_Event):
+    """The slot was given back after ``hold_time`` seconds."""
+
+    kind: Literal["released"] = "released"
+    lease_id: str
+    hold_time: float
+    outcome: Outcome
+
+
+@attrs.frozen(kw_only=True)
+class RenewalFailedEvent(_Event):
+    """A renewal raised; it is retried until the lease would expire."""
+
+    kind: Literal["renewal-failed"] = "renewal-failed"
+    lease_id: str
+    error: str
+
+
+@attrs.frozen(kw_only=True)
+class LeaseLostEvent(_Event):
+    """The lease was gone while the slot was held; its body is cancelled."""
+
+    kind: Literal["lease-lost"] = "lease-lost"
+    lease_id: str
+    hold_time: float
+
+
+@attrs.frozen(kw_only=True)
+class ReleaseFailedEvent(_Event):
+    """Giving the slot back raised. The body's own result or exception stands; the lease
+    expires on its own."""
+
+    kind: Literal["release-failed"] = "release-failed"
+    lease_id: str
+    error: str
+
+
+ConcurrencyEvent: TypeAlias = (
+    WaitStartedEvent
+    | AcquiredEvent
+    | TimedOutEvent
+    | QueueFullEvent
+    | WaitCancelledEvent
+    | LimiterErrorEvent
+    | ConfigErrorEvent
+    | ReleasedEvent
+    | RenewalFailedEvent
+    | LeaseLostEvent
+    | ReleaseFailedEvent
+)
+
+EventKind: TypeAlias = Literal[
+    "wait-started",
+    "acquired",
+    "timed-out",
+    "queue-full",
+    "wait-cancelled",
+    "limiter-error",
+    "config-error",
+    "released",
+    "renewal-failed",
+    "lease-lost",
+    "release-failed",
+]

@@ -1,0 +1,97 @@
+"""What a limiter is: the protocol every backend, built-in or custom, implements.
+
+The runtime (``slotwise.slot``) owns the slot lifecycle: waiting bounds from the run's budget,
+renewal, release, events and errors. A limiter owns allocation, queue order and storage.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+__all__ = ("AcquireRequest", "Lease", "Limiter", "SupportsLease")
+
+
+@attrs.frozen(kw_only=True)
+class AcquireRequest:
+    """What ``Limiter.acquire`` is asked for.
+
+    Attributes:
+        workload: The resolved workload name.
+        request_id: Unique per request; appears in events and errors.
+        run_id: The run making the request, None outside a run.
+        root_run_id: The root of that run's tree.
+        parent_run_id: The run's parent.
+        deadline: When the request must stop waiting, on ``anyio.current_time()``'s clock,
+            from the run's budget; None for no budget. The limiter waits until the earlier of
+            this and its workload's ``max_wait``, then raises ``ConcurrencyTimeoutError``; a
+            deadline already past means "take a free slot or fail now".
+    """
+
+    workload: str
+    request_id: str
+    run_id: str | None = None
+    root_run_id: str | None = None
+    parent_run_id: str | None = None
+    deadline: float | None = None
+
+
+class SupportsLease(Protocol):
+    """The least a lease must carry."""
+
+    @property
+    def lease_id(self) -> str: ...
+
+    @property
+    def workload(self) -> str: ...
+
+
+@attrs.frozen(kw_only=True)
+class Lease:
+    """A granted slot, valid until ``expires_at`` unless renewed.
+
+    Attributes:
+        lease_id: Never reused by the limiter that issued it.
+        workload: The workload it counts against.
+        expires_at: On the limiter's clock (``anyio.current_time()`` for MemoryLimiter, the
+            database clock for PostgresLimiter).
+    """
+
+    lease_id: str
+    workload: str
+    expires_at: float
+
+
+@runtime_checkable
+class Limiter(Protocol):
+    """Any object with these members backs a limit through ``slotwise.slot(limiter=obj)``.
+
+    A limiter must allocate atomically, give leases that expire, make ``renew`` and
+    ``release`` idempotent, never reuse a lease id, and make ``acquire`` safe to cancel (a
+    slot granted as the caller is cancelled must be given back). Two optional members are
+    used when present: ``validate_workload(name: str | None) -> str`` resolves the default
+    and raises ``ConcurrencyConfigError`` for an unknown name; ``async stats()`` returns
+    :class:`slotwise.LimiterStats`. A ``lease_ttl`` attribute (seconds) sets how often the
+    runtime renews (a third of it; 30 s when absent).
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+        """Wait for a slot and return its lease.
+
+        Raises:
+            ConcurrencyTimeoutError: no slot before the deadline or ``max_wait``.
+            ConcurrencyQueueFullError: too many requests are waiting.
+        """
+        ...
+
+    async def renew(self, lease: SupportsLease) -> SupportsLease | None:
+        """Extend a lease; None when it is no longer held. Raise only for transient faults."""
+        ...
+
+    async def release(self, lease: SupportsLease) -> None:
+        """Give a slot back. Idempotent."""
+        ...

@@ -1,0 +1,78 @@
+"""Event subscriptions: per limiter object, and process-wide."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .._events import ConcurrencyEvent
+
+__all__ = ("Callback", "emit", "subscribe", "wants")
+
+Callback = Callable[[ConcurrencyEvent], object]
+
+_logger = logging.getLogger("slotwise")
+_everywhere: list[Callback] = []
+_by_limiter: weakref.WeakKeyDictionary[Any, list[Callback]] = weakref.WeakKeyDictionary()
+# Limiters that cannot be weakly referenced (custom classes with __slots__ and no
+# __weakref__) are kept by id, with the object itself to keep the id valid.
+_by_id: dict[int, tuple[Any, list[Callback]]] = {}
+
+
+def _callbacks(limiter: Any) -> list[Callback] | None:
+    try:
+        return _by_limiter.get(limiter)
+    except TypeError:
+        entry = _by_id.get(id(limiter))
+        return entry[1] if entry else None
+
+
+def subscribe(callback: Callback, limiter: Any = None) -> Callable[[], None]:
+    """Call ``callback`` with every event of ``limiter``, or of every limiter when None.
+
+    Returns:
+        A function that removes the subscription; calling it twice is harmless.
+    """
+    if not callable(callback):
+        raise TypeError(f"callback must be callable, got {callback!r}")
+    if limiter is None:
+        target = _everywhere
+    else:
+        existing = _callbacks(limiter)
+        if existing is None:
+            existing = []
+            try:
+                _by_limiter[limiter] = existing
+            except TypeError:
+                _by_id[id(limiter)] = (limiter, existing)
+        target = existing
+
+    def unsubscribe() -> None:
+        try:
+            target.remove(callback)
+        except ValueError:
+            return
+        if limiter is not None and not target:
+            try:
+                _by_limiter.pop(limiter, None)
+            except TypeError:
+                _by_id.pop(id(limiter), None)
+
+    target.append(callback)
+    return unsubscribe
+
+
+def wants(limiter: Any) -> bool:
+    """Whether anyone listens to ``limiter``: events are only built when this is true."""
+    return bool(_everywhere) or _callbacks(limiter) is not None
+
+
+def emit(limiter: Any, event: ConcurrencyEvent) -> None:
+    """Deliver ``event``; a callback that raises is logged and never reaches the slot."""
+    for callback in (*(_callbacks(limiter) or ()), *_everywhere):
+        try:
+            callback(event)
+        except Exception:
+            _logger.exception("slotwise event subscriber %r raised on %s", callback, event.kind)

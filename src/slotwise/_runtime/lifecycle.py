@@ -1,0 +1,472 @@
+"""The slot lifecycle, written once for every limiter, built-in or custom.
+
+acquire (bounded by the run's budget; the limiter applies ``max_wait``) -> hold (the keeper
+renews the lease; a lost lease cancels the body) -> release (exactly once, shielded, from
+whichever task ends the slot). Every outcome is an event; every failure an error carrying the
+request's lineage.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import secrets
+import time
+from collections.abc import Mapping
+from contextvars import ContextVar, Token
+from types import TracebackType
+from typing import Any, Generic, TypeVar, final
+
+import anyio
+from anyio.lowlevel import checkpoint
+
+from .._errors import (
+    ConcurrencyConfigError,
+    ConcurrencyError,
+    ConcurrencyLeaseLostError,
+    ConcurrencyLimiterError,
+    ConcurrencyQueueFullError,
+    ConcurrencyTimeoutError,
+)
+from .._events import (
+    AcquiredEvent,
+    ConfigErrorEvent,
+    LeaseLostEvent,
+    LimiterErrorEvent,
+    Outcome,
+    QueueFullEvent,
+    ReleasedEvent,
+    ReleaseFailedEvent,
+    RenewalFailedEvent,
+    TimedOutEvent,
+    WaitCancelledEvent,
+    WaitStartedEvent,
+)
+from .._protocol import AcquireRequest, SupportsLease
+from . import dispatch, keeper
+from .runs import Run, current_run
+
+__all__ = ("Slot", "acquire", "slot")
+
+W = TypeVar("W", bound=str)
+
+_logger = logging.getLogger("slotwise")
+_prefix = secrets.token_hex(4)
+_request_seq = itertools.count(1)
+# Limiters whose slots the current task (and the tasks it starts) holds, for the nested-slot
+# deadlock guard.
+_holding: ContextVar[tuple[Any, ...]] = ContextVar("slotwise_holding", default=())
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _epoch(deadline: float | None) -> float | None:
+    if deadline is None or math.isinf(deadline):
+        return None
+    return time.time() + (deadline - anyio.current_time())
+
+
+@final
+class Slot:
+    """A held slot (or, outside any limit, a stand-in that limits nothing).
+
+    ``async with limiter.slot()`` yields one; ``await slotwise.acquire()`` returns one that
+    any task may end with :meth:`release`.
+
+    Attributes:
+        limiter: The limiter, or None when nothing is limited.
+        workload: The workload the slot counts against.
+        request_id: The id of the request that got it.
+        run_id: The run that took it, or None.
+        root_run_id: The root of that run's tree.
+        parent_run_id: That run's parent.
+        lease: The limiter's lease, renewed in place; None when nothing is limited.
+    """
+
+    __slots__ = (
+        "_acquired_at",
+        "_lost",
+        "_released",
+        "_renewed_at",
+        "_scope",
+        "lease",
+        "limiter",
+        "limiter_name",
+        "parent_run_id",
+        "request_id",
+        "root_run_id",
+        "run_id",
+        "workload",
+    )
+
+    def __init__(
+        self,
+        *,
+        limiter: Any,
+        limiter_name: str,
+        workload: str | None,
+        request_id: str | None,
+        run: Run | None,
+        lease: SupportsLease | None,
+        now: float,
+    ) -> None:
+        self.limiter = limiter
+        self.limiter_name = limiter_name
+        self.workload = workload
+        self.request_id = request_id
+        self.run_id = run.run_id if run else None
+        self.root_run_id = run.root_run_id if run else None
+        self.parent_run_id = run.parent_run_id if run else None
+        self.lease = lease
+        self._acquired_at = now
+        self._renewed_at = now
+        self._released = lease is None
+        self._lost = False
+        self._scope: anyio.CancelScope | None = None
+
+    @property
+    def lease_id(self) -> str | None:
+        """The lease's id, or None when nothing is limited."""
+        return self.lease.lease_id if self.lease is not None else None
+
+    @property
+    def lost(self) -> bool:
+        """Whether the lease was lost while held."""
+        return self._lost
+
+    @property
+    def released(self) -> bool:
+        """Whether the slot has been given back (always True when nothing is limited)."""
+        return self._released
+
+    async def release(self, outcome: Outcome = "completed") -> None:
+        """Give the slot back: once, shielded from cancellation, from any task. Idempotent.
+
+        Args:
+            outcome: Reported in the ``released`` event.
+        """
+        if self._released or self.lease is None:
+            return
+        self._released = True
+        lease = self.lease
+        hold_time = anyio.current_time() - self._acquired_at
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.limiter.release(lease)
+            except Exception as exc:
+                _logger.warning(
+                    "slotwise: releasing lease %s failed: %s", lease.lease_id, _describe(exc)
+                )
+                if dispatch.wants(self.limiter):
+                    self._emit(ReleaseFailedEvent, lease_id=lease.lease_id, error=_describe(exc))
+                return
+        if dispatch.wants(self.limiter):
+            self._emit(ReleasedEvent, lease_id=lease.lease_id, hold_time=hold_time, outcome=outcome)
+
+    # -- used by the keeper ---------------------------------------------------------------
+
+    def _renewal_failed(self, exc: Exception) -> None:
+        if self.lease is not None and dispatch.wants(self.limiter):
+            self._emit(RenewalFailedEvent, lease_id=self.lease.lease_id, error=_describe(exc))
+
+    def _lose(self) -> None:
+        if self._released or self._lost or self.lease is None:
+            return
+        self._lost = True
+        if dispatch.wants(self.limiter):
+            self._emit(
+                LeaseLostEvent,
+                lease_id=self.lease.lease_id,
+                hold_time=anyio.current_time() - self._acquired_at,
+            )
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def _emit(self, cls: Any, **fields: Any) -> None:
+        dispatch.emit(
+            self.limiter,
+            cls(
+                limiter=self.limiter_name,
+                workload=self.workload,
+                run_id=self.run_id,
+                root_run_id=self.root_run_id,
+                parent_run_id=self.parent_run_id,
+                request_id=self.request_id,
+                timestamp=time.time(),
+                **fields,
+            ),
+        )
+
+    def __repr__(self) -> str:
+        if self.limiter is None:
+            return "<slotwise.Slot unlimited>"
+        state = "lost" if self._lost else "released" if self._released else "held"
+        return (
+            f"<slotwise.Slot {self.limiter_name!r} workload={self.workload!r} "
+            f"lease={self.lease_id} {state}>"
+        )
+
+
+_ERROR_EVENTS: tuple[tuple[type[ConcurrencyError], Any], ...] = (
+    (ConcurrencyTimeoutError, TimedOutEvent),
+    (ConcurrencyQueueFullError, QueueFullEvent),
+    (ConcurrencyLimiterError, LimiterErrorEvent),
+)
+
+
+async def acquire(
+    workload: str | None = None,
+    *,
+    limiter: Any = None,
+    allow_nested: bool = False,
+) -> Slot:
+    """Wait for a slot and return it; the caller (any task) must ``await slot.release()``.
+
+    Prefer ``async with slotwise.slot()``, which also cancels the body when the lease is
+    lost. This form suits a slot that outlives the code that took it, such as a streamed
+    HTTP response closed elsewhere. The lease is renewed until the slot is released.
+
+    Args:
+        workload: The workload; default: the current run's (same limiter), else the
+            limiter's default.
+        limiter: The limiter; default: the current run's. With neither, nothing is
+            limited: an unlimited :class:`Slot` is returned at once and nothing is emitted.
+        allow_nested: Take the slot even though this task already holds a slot of the same
+            limiter (see the deadlock guard in the docs).
+
+    Raises:
+        ConcurrencyTimeoutError: no slot before ``max_wait`` or the run's budget ended.
+        ConcurrencyQueueFullError: ``max_queued`` requests were already waiting.
+        ConcurrencyLimiterError: the limiter failed; fails closed.
+        ConcurrencyConfigError: unknown workload, none where one is required, or a nested
+            slot without ``allow_nested``.
+    """
+    run = current_run()
+    if limiter is None:
+        limiter = run.limiter if run is not None else None
+        if limiter is None:
+            await checkpoint()
+            return Slot(
+                limiter=None,
+                limiter_name="",
+                workload=None,
+                request_id=None,
+                run=run,
+                lease=None,
+                now=0.0,
+            )
+    if workload is None and run is not None and run.limiter is limiter:
+        workload = run.workload
+    request_id = f"{_prefix}-{next(_request_seq)}"
+    name = str(getattr(limiter, "name", type(limiter).__name__))
+    lineage = {
+        "run_id": run.run_id if run else None,
+        "root_run_id": run.root_run_id if run else None,
+        "parent_run_id": run.parent_run_id if run else None,
+    }
+    listening = dispatch.wants(limiter)
+
+    def emit(cls: Any, workload: str | None, **fields: Any) -> None:
+        dispatch.emit(
+            limiter,
+            cls(
+                limiter=name,
+                workload=workload,
+                request_id=request_id,
+                timestamp=time.time(),
+                **lineage,
+                **fields,
+            ),
+        )
+
+    def fail(exc: ConcurrencyError, workload: str | None) -> ConcurrencyError:
+        exc._fill(limiter=name, workload=workload, request_id=request_id, **lineage)
+        return exc
+
+    validate = getattr(limiter, "validate_workload", None)
+    try:
+        if validate is not None:
+            resolved = str(validate(workload))
+        else:
+            resolved = "default" if workload is None else str(workload)
+        if not allow_nested and any(held is limiter for held in _holding.get()):
+            raise ConcurrencyConfigError(
+                "this task already holds a slot of this limiter; taking another inside it "
+                "can deadlock a small limiter (a tool started inside a slot that starts a "
+                "child run waits for a slot its own parent holds). Release the slot before "
+                "running tools, or pass allow_nested=True if you mean it"
+            )
+    except ConcurrencyConfigError as exc:
+        if listening:
+            emit(ConfigErrorEvent, workload, error=_describe(exc))
+        raise fail(exc, None if workload is None else str(workload)) from None
+
+    deadline = run.deadline if run is not None else None
+    start = anyio.current_time()
+    if listening:
+        max_wait = _max_wait(limiter, resolved)
+        effective = deadline
+        if max_wait is not None:
+            effective = start + max_wait if effective is None else min(effective, start + max_wait)
+        emit(WaitStartedEvent, resolved, deadline=_epoch(effective))
+    request = AcquireRequest(workload=resolved, request_id=request_id, deadline=deadline, **lineage)
+    try:
+        lease = await limiter.acquire(request)
+    except anyio.get_cancelled_exc_class():
+        waited = anyio.current_time() - start
+        if (
+            run is not None
+            and deadline is not None
+            and not run.cancelled
+            and anyio.current_time() >= deadline
+        ):
+            # The run's budget ended while we waited: the API promises a timeout error here,
+            # not the cancellation the run's scope delivered.
+            if listening:
+                emit(TimedOutEvent, resolved, wait_time=waited)
+            raise fail(
+                ConcurrencyTimeoutError(
+                    f"the run's time budget ended after waiting {waited:.3f}s for a slot"
+                ),
+                resolved,
+            ) from None
+        if listening:
+            emit(WaitCancelledEvent, resolved, wait_time=waited)
+        raise
+    except ConcurrencyConfigError as exc:
+        if listening:
+            emit(ConfigErrorEvent, resolved, error=_describe(exc))
+        raise fail(exc, resolved) from None
+    except ConcurrencyError as exc:
+        waited = anyio.current_time() - start
+        for cls, event in _ERROR_EVENTS:
+            if isinstance(exc, cls):
+                if listening:
+                    extra = {"error": _describe(exc)} if event is LimiterErrorEvent else {}
+                    emit(event, resolved, wait_time=waited, **extra)
+                raise fail(exc, resolved) from None
+        raise _limiter_error(exc, emit if listening else None, resolved, waited, fail) from exc
+    except Exception as exc:
+        waited = anyio.current_time() - start
+        raise _limiter_error(exc, emit if listening else None, resolved, waited, fail) from exc
+    now = anyio.current_time()
+    slot = Slot(
+        limiter=limiter,
+        limiter_name=name,
+        workload=resolved,
+        request_id=request_id,
+        run=run,
+        lease=lease,
+        now=now,
+    )
+    keeper.track(slot)
+    if listening:
+        emit(AcquiredEvent, resolved, lease_id=lease.lease_id, wait_time=now - start)
+    return slot
+
+
+def _limiter_error(
+    exc: BaseException, emit: Any, workload: str, waited: float, fail: Any
+) -> ConcurrencyError:
+    if emit is not None:
+        emit(LimiterErrorEvent, workload, wait_time=waited, error=_describe(exc))
+    return fail(  # type: ignore[no-any-return]
+        ConcurrencyLimiterError(f"the limiter failed while acquiring a slot: {_describe(exc)}"),
+        workload,
+    )
+
+
+def _max_wait(limiter: Any, workload: str) -> float | None:
+    workloads = getattr(limiter, "workloads", None)
+    if isinstance(workloads, Mapping):
+        settings = workloads.get(workload)
+        max_wait = getattr(settings, "max_wait", None)
+        if isinstance(max_wait, int | float):
+            return float(max_wait)
+    return None
+
+
+@final
+class SlotContext(Generic[W]):
+    """``async with`` form of :func:`acquire`: yields the :class:`Slot`, releases it on exit,
+    and cancels the body if the lease is lost."""
+
+    __slots__ = ("_allow_nested", "_limiter", "_slot", "_token", "_workload")
+
+    def __init__(self, workload: W | None, limiter: Any, allow_nested: bool) -> None:
+        self._workload = workload
+        self._limiter = limiter
+        self._allow_nested = allow_nested
+        self._slot: Slot | None = None
+        self._token: Token[tuple[Any, ...]] | None = None
+
+    async def __aenter__(self) -> Slot:
+        slot = await acquire(self._workload, limiter=self._limiter, allow_nested=self._allow_nested)
+        self._slot = slot
+        if slot.lease is not None:
+            self._token = _holding.set((*_holding.get(), slot.limiter))
+            slot._scope = anyio.CancelScope()
+            slot._scope.__enter__()
+        return slot
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        slot = self._slot
+        if slot is None or slot._scope is None:
+            return False
+        scope, slot._scope = slot._scope, None
+        swallowed = scope.__exit__(exc_type, exc, tb)
+        if self._token is not None:
+            _holding.reset(self._token)
+        lost = slot._lost and scope.cancelled_caught
+        if exc_type is None:
+            outcome: Outcome = "completed"
+        elif lost or isinstance(exc, anyio.get_cancelled_exc_class()):
+            outcome = "cancelled"
+        else:
+            outcome = "failed"
+        await slot.release(outcome)
+        if lost:
+            raise ConcurrencyLeaseLostError(
+                "the slot's lease was lost while the body ran; the body was cancelled",
+                lease_id=slot.lease_id,
+                limiter=slot.limiter_name,
+                workload=slot.workload,
+                run_id=slot.run_id,
+                root_run_id=slot.root_run_id,
+                parent_run_id=slot.parent_run_id,
+                request_id=slot.request_id,
+            ) from None
+        return bool(swallowed)
+
+
+def slot(
+    workload: W | None = None, *, limiter: Any = None, allow_nested: bool = False
+) -> SlotContext[W]:
+    """Hold one slot around one provider request: ``async with slotwise.slot(): ...``.
+
+    Args:
+        workload: The workload; default: the current run's (same limiter), else the
+            limiter's default.
+        limiter: Any limiter, built-in or custom; default: the current run's. With neither,
+            nothing is limited and nothing is emitted (limits are opt-in).
+        allow_nested: Allow taking a slot while this task already holds one of the same
+            limiter (otherwise ``ConcurrencyConfigError``, as that can deadlock).
+
+    Raises:
+        ConcurrencyTimeoutError: on entry, no slot in time.
+        ConcurrencyQueueFullError: on entry, the queue is full.
+        ConcurrencyLimiterError: on entry, the limiter failed (the body never runs).
+        ConcurrencyConfigError: on entry, a bad workload or a nested slot.
+        ConcurrencyLeaseLostError: on exit, the lease was lost and the body cancelled.
+
+    The body's own exception always reaches the caller unchanged.
+    """
+    return SlotContext(workload, limiter, allow_nested)

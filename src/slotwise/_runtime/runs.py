@@ -1,0 +1,219 @@
+"""Runs: lineage, inherited time budgets and cancellation that flows down to child runs."""
+
+from __future__ import annotations
+
+import math
+import uuid
+import weakref
+from contextvars import ContextVar, Token
+from types import TracebackType
+from typing import Any, final
+
+import anyio
+
+from .._errors import ConcurrencyConfigError
+
+__all__ = ("Run", "current_run", "run")
+
+_current: ContextVar[Run | None] = ContextVar("slotwise_run", default=None)
+
+
+def current_run() -> Run | None:
+    """The innermost run of the calling task (tasks a run starts inherit it), or None."""
+    return _current.get()
+
+
+@final
+class Run:
+    """A unit of work whose slots share a limiter, a workload, a budget and a lineage.
+
+    Create one with ``async with slotwise.run(...) as run``.
+
+    Attributes:
+        run_id: This run's id.
+        root_run_id: The id of the outermost run of the tree (``run_id`` for a root run).
+        parent_run_id: The enclosing run's id, None for a root run.
+        limiter: The limiter ``slotwise.slot()`` uses when it names none, or None.
+        workload: The workload ``slotwise.slot()`` uses when it names none, or None for the
+            limiter's default.
+        deadline: When the run's budget ends, on ``anyio.current_time()``'s clock; None when
+            neither it nor any ancestor has a timeout.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_cancelled",
+        "_children",
+        "_scope",
+        "deadline",
+        "limiter",
+        "parent_run_id",
+        "root_run_id",
+        "run_id",
+        "workload",
+    )
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        parent: Run | None,
+        limiter: Any,
+        workload: str | None,
+        deadline: float | None,
+    ) -> None:
+        self.run_id: str = run_id
+        self.parent_run_id: str | None = parent.run_id if parent else None
+        self.root_run_id: str = parent.root_run_id if parent else run_id
+        self.limiter = limiter
+        self.workload = workload
+        self.deadline = deadline
+        self._cancelled = False
+        self._children: weakref.WeakSet[Run] = weakref.WeakSet()
+        self._scope = anyio.CancelScope(deadline=math.inf if deadline is None else deadline)
+
+    def cancel(self) -> None:
+        """Cancel this run and every child run, wherever it runs: a waiting request leaves
+        its queue, a running body is cancelled and its slot released. The ``async with``
+        block of the run then ends without an error."""
+        self._cancelled = True
+        self._scope.cancel()
+        for child in list(self._children):
+            child.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether ``cancel()`` was called on this run or an ancestor."""
+        return self._cancelled
+
+    def __repr__(self) -> str:
+        limiter = getattr(self.limiter, "name", None)
+        return (
+            f"<slotwise.Run {self.run_id} root={self.root_run_id} "
+            f"parent={self.parent_run_id} limiter={limiter!r} workload={self.workload!r}>"
+        )
+
+
+def _resolve(limiter: Any, workload: str | None) -> str | None:
+    validate = getattr(limiter, "validate_workload", None)
+    if validate is None:
+        return workload
+    try:
+        return validate(workload)  # type: ignore[no-any-return]
+    except ConcurrencyConfigError:
+        if workload is None:
+            return None  # several workloads, no default: each slot must name one
+        raise
+
+
+@final
+class _RunContext:
+    __slots__ = ("_limiter", "_run", "_run_id", "_timeout", "_token", "_workload")
+
+    def __init__(
+        self, limiter: Any, workload: str | None, timeout: float | None, run_id: str | None
+    ) -> None:
+        if timeout is not None and (
+            not isinstance(timeout, int | float)
+            or isinstance(timeout, bool)
+            or math.isnan(timeout)
+            or timeout < 0
+        ):
+            raise ConcurrencyConfigError(
+                f"timeout must be None or a non-negative number of seconds, got {timeout!r}"
+            )
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise ConcurrencyConfigError(f"run_id must be a non-empty string, got {run_id!r}")
+        self._limiter = limiter
+        self._workload = workload
+        self._timeout = timeout
+        self._run_id = run_id
+        self._run: Run | None = None
+        self._token: Token[Run | None] | None = None
+
+    async def __aenter__(self) -> Run:
+        await anyio.lowlevel.checkpoint()
+        parent = _current.get()
+        limiter = self._limiter
+        if limiter is None and parent is not None:
+            limiter = parent.limiter
+        workload = self._workload
+        if workload is None and parent is not None and limiter is parent.limiter:
+            workload = parent.workload
+        if limiter is not None:
+            workload = _resolve(limiter, workload)
+        elif workload is not None:
+            workload = str(workload)
+        deadline = parent.deadline if parent is not None else None
+        if self._timeout is not None:
+            own = anyio.current_time() + self._timeout
+            deadline = own if deadline is None else min(deadline, own)
+        run = Run(
+            run_id=self._run_id or uuid.uuid4().hex,
+            parent=parent,
+            limiter=limiter,
+            workload=workload,
+            deadline=deadline,
+        )
+        if parent is not None:
+            parent._children.add(run)
+            if parent._cancelled:
+                run.cancel()
+        run._scope.__enter__()
+        self._run = run
+        self._token = _current.set(run)
+        return run
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        run = self._run
+        assert run is not None
+        assert self._token is not None
+        _current.reset(self._token)
+        swallowed = run._scope.__exit__(exc_type, exc, tb)
+        if (
+            run._scope.cancelled_caught
+            and not run._cancelled
+            and run.deadline is not None
+            and anyio.current_time() >= run.deadline
+        ):
+            raise TimeoutError(f"run {run.run_id} ran out of its time budget") from exc
+        return bool(swallowed)
+
+
+def run(
+    limiter: Any = None,
+    workload: str | None = None,
+    timeout: float | None = None,
+    run_id: str | None = None,
+) -> _RunContext:
+    """Start a run: ``async with slotwise.run(...) as run``.
+
+    A run started inside another (in the same task, or in a task started from inside it) is
+    its child: it inherits the parent's limiter, its workload unless it names one, its
+    cancellation and its remaining budget.
+
+    Args:
+        limiter: The limiter for ``slotwise.slot()`` calls inside the run; default: the
+            parent's. A child naming a different limiter uses that limiter's own default
+            workload unless it names one.
+        workload: The workload for those slots; default: the parent's (same limiter only).
+        timeout: Seconds of budget from now; a child can only shorten its parent's. Waiting
+            for a slot counts against it.
+        run_id: The run's id; default: a random one.
+
+    Raises:
+        ConcurrencyConfigError: an unknown workload, or an invalid timeout or run_id.
+        TimeoutError: on exit, when the budget ended while the body ran (the body was
+            cancelled and its slot released).
+
+    Example:
+        >>> async with slotwise.run(limiter=claude, workload="background", timeout=120):
+        ...     async with slotwise.slot():
+        ...         ...  # doctest: +SKIP
+    """
+    return _RunContext(limiter, workload, timeout, run_id)

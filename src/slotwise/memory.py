@@ -1,0 +1,263 @@
+"""MemoryLimiter: one process's capacity, shared by every task of its event loop."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Generic, TypeVar, final
+
+import anyio
+from anyio.lowlevel import cancel_shielded_checkpoint, checkpoint_if_cancelled
+
+from ._config import Settings, Workload, build_settings, resolve_workload
+from ._core.state import LimiterState, Ticket
+from ._errors import ConcurrencyTimeoutError
+from ._events import ConcurrencyEvent
+from ._protocol import AcquireRequest, Lease, SupportsLease
+from ._runtime import dispatch
+from ._runtime.lifecycle import SlotContext, slot
+from ._stats import LimiterStats, WorkloadStats
+
+__all__ = ("MemoryLimiter",)
+
+W = TypeVar("W", bound=str)
+
+
+@final
+class MemoryLimiter(Generic[W]):
+    """A limiter whose slots live in this process.
+
+    It can be built at module level, outside any event loop, and used from asyncio and trio.
+
+    Args:
+        name: Appears in events and errors.
+        max_concurrent: Requests in flight at once, across every run.
+        max_queued: Requests that may wait; the next one fails at once with
+            ``ConcurrencyQueueFullError``. None: unbounded.
+        lease_ttl: Seconds a slot stays valid without renewal; renewed automatically while
+            held. A holder that stops renewing loses its slot to the next waiter.
+        workloads: Named workloads sharing the capacity; default: one named ``"default"``.
+        default_workload: The workload of requests that name none; default: ``"default"`` if
+            it exists, or the only workload.
+
+    Raises:
+        ConcurrencyConfigError: a setting is invalid; the message names it.
+
+    Example:
+        >>> claude = MemoryLimiter(
+        ...     name="claude",
+        ...     max_concurrent=8,
+        ...     workloads={
+        ...         "interactive": Workload(reserved=2, priority=10, max_wait=60.0),
+        ...         "background": Workload(max_concurrent=6, max_wait=300.0),
+        ...     },
+        ... )
+        >>> claude
+        <slotwise.MemoryLimiter 'claude' 0/8 active, 0 queued (interactive 0/8, background 0/6)>
+
+    Typed workload names: annotate ``MemoryLimiter[Literal["interactive", "background"]]``
+    (or key ``workloads`` by a ``StrEnum``) and ``slot(workload="typo")`` is a type error.
+    """
+
+    __slots__ = ("__weakref__", "_settings", "_state", "_watcher")
+
+    def __init__(
+        self,
+        *,
+        name: str = "default",
+        max_concurrent: int,
+        max_queued: int | None = None,
+        lease_ttl: float = 30.0,
+        workloads: Mapping[W, Workload] | None = None,
+        default_workload: W | None = None,
+    ) -> None:
+        self._settings: Settings = build_settings(
+            name=name,
+            max_concurrent=max_concurrent,
+            max_queued=max_queued,
+            lease_ttl=lease_ttl,
+            workloads=workloads,
+            default_workload=default_workload,
+        )
+        self._state = LimiterState(
+            self._settings.rules,
+            max_queued=self._settings.max_queued,
+            lease_ttl=self._settings.lease_ttl,
+        )
+        # One waiter at a time watches the clock for leases that expire unrenewed, so a
+        # dead holder's slot is handed on without a background task or a herd of timers.
+        self._watcher: Ticket | None = None
+
+    # -- settings -------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The limiter's name."""
+        return self._settings.name
+
+    @property
+    def max_concurrent(self) -> int:
+        """Slots in all."""
+        return self._settings.max_concurrent
+
+    @property
+    def max_queued(self) -> int | None:
+        """Waiting requests allowed; None: unbounded."""
+        return self._settings.max_queued
+
+    @property
+    def lease_ttl(self) -> float:
+        """Seconds a lease lives without renewal."""
+        return self._settings.lease_ttl
+
+    @property
+    def workloads(self) -> Mapping[str, Workload]:
+        """The workloads, by name."""
+        return self._settings.workloads
+
+    @property
+    def default_workload(self) -> str | None:
+        """The workload of requests that name none, or None when each must name one."""
+        return self._settings.default_workload
+
+    def validate_workload(self, workload: str | None) -> str:
+        """Resolve a request's workload name (None: the default).
+
+        Raises:
+            ConcurrencyConfigError: unknown, or None with several workloads and no default.
+        """
+        return resolve_workload(self._settings, workload)
+
+    # -- the user's surface ---------------------------------------------------------------
+
+    def slot(self, workload: W | None = None, *, allow_nested: bool = False) -> SlotContext[W]:
+        """``async with limiter.slot(workload=...)``: :func:`slotwise.slot` with this limiter."""
+        return slot(workload, limiter=self, allow_nested=allow_nested)
+
+    def subscribe(self, callback: Callable[[ConcurrencyEvent], object]) -> Callable[[], None]:
+        """Receive every event of this limiter; returns the function that unsubscribes."""
+        return dispatch.subscribe(callback, self)
+
+    async def stats(self) -> LimiterStats:
+        """Active and queued requests, in total and per workload."""
+        await checkpoint_if_cancelled()
+        state = self._state
+        state_expired = state.expire(anyio.current_time())
+        self._wake(state_expired)
+        rules = self._settings.rules
+        return LimiterStats(
+            active=len(state.leases),
+            queued=state.queued,
+            max_concurrent=rules.max_concurrent,
+            workloads={
+                name: WorkloadStats(
+                    active=state.active[name],
+                    queued=len(state.queues[name]),
+                    max_concurrent=rule.ceiling,
+                    reserved=rule.reserved,
+                )
+                for name, rule in rules.workloads.items()
+            },
+        )
+
+    # -- the Limiter protocol -------------------------------------------------------------
+
+    async def acquire(self, request: AcquireRequest) -> Lease:
+        """Wait for a slot (see :class:`slotwise.Limiter`); safe to cancel at any point."""
+        await checkpoint_if_cancelled()
+        workload = resolve_workload(self._settings, request.workload)
+        state = self._state
+        now = anyio.current_time()
+        ticket, swept = state.submit(workload, now)
+        self._wake(swept)
+        if ticket.lease is not None:
+            await cancel_shielded_checkpoint()
+            return self._lease(ticket)
+        deadline = request.deadline if request.deadline is not None else math.inf
+        max_wait = self._settings.workloads[workload].max_wait
+        if max_wait is not None:
+            deadline = min(deadline, now + max_wait)
+        try:
+            while ticket.lease is None and now < deadline:
+                if self._watcher is None:
+                    self._watcher = ticket
+                wake_at = deadline
+                if self._watcher is ticket:
+                    wake_at = min(wake_at, state.next_expiry() or math.inf)
+                ticket.waker = anyio.Event()
+                with anyio.CancelScope(deadline=wake_at):
+                    await ticket.waker.wait()
+                if ticket.lease is None:
+                    now = anyio.current_time()
+                    self._wake(state.expire(now))
+        except BaseException:
+            # Cancelled while waiting, or as the slot was granted: give it back either way.
+            self._leave(ticket)
+            raise
+        if ticket.lease is None:
+            self._leave(ticket)
+            raise ConcurrencyTimeoutError(
+                f"no slot within {now - ticket.enqueued_at:.3f}s"
+                + (f" (max_wait={max_wait})" if max_wait is not None else "")
+            )
+        self._leave_watch(ticket)
+        return self._lease(ticket)
+
+    async def renew(self, lease: SupportsLease) -> Lease | None:
+        """Extend a lease by ``lease_ttl``; None when it is no longer held. Never waits."""
+        record = self._state.renew(lease.lease_id, anyio.current_time())
+        if record is None:
+            return None
+        return Lease(
+            lease_id=record.lease_id, workload=record.workload, expires_at=record.expires_at
+        )
+
+    async def release(self, lease: SupportsLease) -> None:
+        """Give a slot back to the next waiter. Idempotent; never waits."""
+        self._wake(self._state.release(lease.lease_id, anyio.current_time()))
+
+    # -- internals ------------------------------------------------------------------------
+
+    @staticmethod
+    def _lease(ticket: Ticket) -> Lease:
+        record = ticket.lease
+        assert record is not None
+        return Lease(
+            lease_id=record.lease_id, workload=record.workload, expires_at=record.expires_at
+        )
+
+    @staticmethod
+    def _wake(granted: list[Ticket]) -> None:
+        for ticket in granted:
+            if ticket.waker is not None:
+                ticket.waker.set()
+
+    def _leave(self, ticket: Ticket) -> None:
+        self._wake(self._state.withdraw(ticket, anyio.current_time()))
+        self._leave_watch(ticket)
+
+    def _leave_watch(self, ticket: Ticket) -> None:
+        if self._watcher is not ticket:
+            return
+        self._watcher = None
+        # Hand the clock to another waiter: wake it so it re-arms its timer as the watcher.
+        for queue in self._state.queues.values():
+            for other in queue.values():
+                self._watcher = other
+                if other.waker is not None:
+                    other.waker.set()
+                return
+
+    def __repr__(self) -> str:
+        state = self._state
+        rules = self._settings.rules
+        parts = []
+        for name, rule in rules.workloads.items():
+            part = f"{name} {state.active[name]}/{rule.ceiling}"
+            if state.queues[name]:
+                part += f" +{len(state.queues[name])} queued"
+            parts.append(part)
+        return (
+            f"<slotwise.MemoryLimiter {self.name!r} {len(state.leases)}/{rules.max_concurrent} "
+            f"active, {state.queued} queued ({', '.join(parts)})>"
+        )
