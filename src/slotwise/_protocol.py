@@ -73,7 +73,9 @@ class Limiter(Protocol):
     used when present: ``validate_workload(name: str | None) -> str`` resolves the default
     and raises ``ConcurrencyConfigError`` for an unknown name; ``async stats()`` returns
     :class:`slotwise.LimiterStats`. A ``lease_ttl`` attribute (seconds) sets how often the
-    runtime renews (a third of it; 30 s when absent).
+    runtime renews (a third of it; 30 s when absent). A limiter that can give a slot back
+    without awaiting may offer ``release_nowait(lease)``, which the runtime then calls instead
+    of ``release`` (saving a shielded cancel scope per slot).
     """
 
     @property

@@ -7,7 +7,6 @@ from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar, final
 
 import anyio
-from anyio.lowlevel import cancel_shielded_checkpoint, checkpoint_if_cancelled
 
 from ._config import Settings, Workload, build_settings, resolve_workload
 from ._core.state import LimiterState, Ticket
@@ -16,6 +15,8 @@ from ._events import ConcurrencyEvent
 from ._protocol import AcquireRequest, Lease, SupportsLease
 from ._runtime import dispatch
 from ._runtime.lifecycle import SlotContext, slot
+from ._runtime.loop import checkpoint
+from ._runtime.loop import now as current_time
 from ._stats import LimiterStats, WorkloadStats
 
 __all__ = ("MemoryLimiter",)
@@ -140,9 +141,9 @@ class MemoryLimiter(Generic[W]):
 
     async def stats(self) -> LimiterStats:
         """Active and queued requests, in total and per workload."""
-        await checkpoint_if_cancelled()
+        await checkpoint()
         state = self._state
-        state_expired = state.expire(anyio.current_time())
+        state_expired = state.expire(current_time())
         self._wake(state_expired)
         rules = self._settings.rules
         return LimiterStats(
@@ -164,14 +165,15 @@ class MemoryLimiter(Generic[W]):
 
     async def acquire(self, request: AcquireRequest) -> Lease:
         """Wait for a slot (see :class:`slotwise.Limiter`); safe to cancel at any point."""
-        await checkpoint_if_cancelled()
+        # One checkpoint, before anything is taken: a cancellation here leaves no trace, and
+        # everything after it up to the grant or the enqueue is synchronous (atomic).
+        await checkpoint()
         workload = resolve_workload(self._settings, request.workload)
         state = self._state
-        now = anyio.current_time()
+        now = current_time()
         ticket, swept = state.submit(workload, now)
         self._wake(swept)
         if ticket.lease is not None:
-            await cancel_shielded_checkpoint()
             return self._lease(ticket)
         deadline = request.deadline if request.deadline is not None else math.inf
         max_wait = self._settings.workloads[workload].max_wait
@@ -188,7 +190,7 @@ class MemoryLimiter(Generic[W]):
                 with anyio.CancelScope(deadline=wake_at):
                     await ticket.waker.wait()
                 if ticket.lease is None:
-                    now = anyio.current_time()
+                    now = current_time()
                     self._wake(state.expire(now))
         except BaseException:
             # Cancelled while waiting, or as the slot was granted: give it back either way.
@@ -205,7 +207,7 @@ class MemoryLimiter(Generic[W]):
 
     async def renew(self, lease: SupportsLease) -> Lease | None:
         """Extend a lease by ``lease_ttl``; None when it is no longer held. Never waits."""
-        record = self._state.renew(lease.lease_id, anyio.current_time())
+        record = self._state.renew(lease.lease_id, current_time())
         if record is None:
             return None
         return Lease(
@@ -214,7 +216,11 @@ class MemoryLimiter(Generic[W]):
 
     async def release(self, lease: SupportsLease) -> None:
         """Give a slot back to the next waiter. Idempotent; never waits."""
-        self._wake(self._state.release(lease.lease_id, anyio.current_time()))
+        self.release_nowait(lease)
+
+    def release_nowait(self, lease: SupportsLease) -> None:
+        """:meth:`release` without the ``await``; the slot lifecycle uses it when present."""
+        self._wake(self._state.release(lease.lease_id, current_time()))
 
     # -- internals ------------------------------------------------------------------------
 
@@ -233,7 +239,7 @@ class MemoryLimiter(Generic[W]):
                 ticket.waker.set()
 
     def _leave(self, ticket: Ticket) -> None:
-        self._wake(self._state.withdraw(ticket, anyio.current_time()))
+        self._wake(self._state.withdraw(ticket, current_time()))
         self._leave_watch(ticket)
 
     def _leave_watch(self, ticket: Ticket) -> None:

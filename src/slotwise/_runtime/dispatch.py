@@ -66,7 +66,9 @@ def subscribe(callback: Callback, limiter: Any = None) -> Callable[[], None]:
 
 def wants(limiter: Any) -> bool:
     """Whether anyone listens to ``limiter``: events are only built when this is true."""
-    return bool(_everywhere) or _callbacks(limiter) is not None
+    if _everywhere:
+        return True
+    return bool(_by_limiter or _by_id) and _callbacks(limiter) is not None
 
 
 def emit(limiter: Any, event: ConcurrencyEvent) -> None:

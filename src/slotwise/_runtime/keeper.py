@@ -1,85 +1,122 @@
 """Lease renewal for every held slot of an event loop, by one task, not one per slot.
 
-The keeper is a system task of the running event loop, started when the first slot is held
-and ending when none is. It renews each lease every third of its limiter's ``lease_ttl``,
-retries a renewal that raises until the lease would have expired, and declares the lease
-lost (cancelling the slot's body) when the limiter says it is gone or time runs out.
+The keeper is a system task of the running event loop, started when the first slot is held.
+Held slots are kept in insertion-ordered groups, one per lease TTL, so that the slot due
+first is always at the front of its group, adding and removing a slot is O(1), and a
+released slot leaves nothing behind. Each lease is renewed every third of its TTL; a renewal
+that raises is retried until the lease would have expired; a lease the limiter no longer holds
+(or one that expires while its renewals fail) is lost, which cancels the slot's body.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import math
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from anyio.lowlevel import RunVar
+
+from .loop import loop_identity, now
 
 if TYPE_CHECKING:
     from .lifecycle import Slot
 
-__all__ = ("DEFAULT_LEASE_TTL", "track")
+__all__ = ("DEFAULT_LEASE_TTL", "forget", "lease_ttl", "track")
 
 DEFAULT_LEASE_TTL = 30.0
-_RETRY_FRACTION = 0.1  # after a failed renewal, retry at this fraction of the ttl
-
-_keeper: RunVar[_Keeper] = RunVar("slotwise_keeper")
+_RETRY_FRACTION = 0.1  # after a failed renewal, retry after this fraction of the TTL
+_IDLE_LINGER = 5.0  # seconds an idle keeper waits for new slots before it ends
 
 
 def lease_ttl(limiter: Any) -> float:
+    """The limiter's ``lease_ttl`` in seconds, or 30 s when it has none."""
     ttl = getattr(limiter, "lease_ttl", None)
-    return float(ttl) if isinstance(ttl, int | float) and ttl > 0 else DEFAULT_LEASE_TTL
+    if isinstance(ttl, int | float) and not isinstance(ttl, bool) and 0 < ttl < math.inf:
+        return float(ttl)
+    return DEFAULT_LEASE_TTL
 
 
 class _Keeper:
-    __slots__ = ("_due", "_running", "_seq", "_tasks", "_wake")
+    __slots__ = ("_alarm", "_groups", "_running", "_tasks", "_wake")
 
     def __init__(self) -> None:
-        self._due: list[tuple[float, int, Slot]] = []
-        self._seq = itertools.count()
+        # ttl -> slots in due order (slot -> when it is next due)
+        self._groups: dict[float, OrderedDict[Slot, float]] = {}
         self._running = False
+        self._alarm = math.inf  # when the sleeping keeper wakes up by itself
         self._wake: anyio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def schedule(self, slot: Slot, at: float) -> None:
-        if self._due and at < self._due[0][0] and self._wake is not None:
-            self._wake.set()
-        heapq.heappush(self._due, (at, next(self._seq), slot))
+    def add(self, slot: Slot, due: float, ttl: float) -> None:
+        group = self._groups.get(ttl)
+        if group is None:
+            group = self._groups[ttl] = OrderedDict()
+        if group and due < next(reversed(group.values())):
+            # A retry comes due before slots added earlier: keep the group sorted.
+            later = [(s, d) for s, d in group.items() if d > due]
+            for s, _ in later:
+                del group[s]
+            group[slot] = due
+            group.update(later)
+        else:
+            group[slot] = due
         if not self._running:
             self._running = True
-            _spawn(self._main)
+            _spawn(self)
+        elif due < self._alarm and self._wake is not None:
+            self._wake.set()
 
-    async def _main(self) -> None:
+    def remove(self, slot: Slot, ttl: float) -> None:
+        group = self._groups.get(ttl)
+        if group is not None:
+            group.pop(slot, None)
+
+    def _next_due(self) -> float | None:
+        dues = [next(iter(g.values())) for g in self._groups.values() if g]
+        return min(dues) if dues else None
+
+    async def main(self) -> None:
+        idle_since: float | None = None
         try:
-            while self._due:
-                at, _, slot = self._due[0]
-                if slot._released or slot._lost:
-                    heapq.heappop(self._due)
+            while True:
+                due = self._next_due()
+                current = now()
+                if due is None:
+                    # Linger a while, so a program that takes and releases slots in a loop
+                    # does not start a new keeper task for every slot.
+                    idle_since = current if idle_since is None else idle_since
+                    if current - idle_since >= _IDLE_LINGER:
+                        return
+                    self._alarm = idle_since + _IDLE_LINGER
+                elif due > current:
+                    idle_since = None
+                    self._alarm = due
+                else:
+                    idle_since = None
+                    await self._renew_due(current)
                     continue
-                now = anyio.current_time()
-                if at > now:
-                    self._wake = anyio.Event()
-                    with anyio.move_on_after(at - now):
-                        await self._wake.wait()
-                    self._wake = None
-                    continue
-                batch = []
-                while self._due and self._due[0][0] <= now:
-                    batch.append(heapq.heappop(self._due)[2])
-                async with anyio.create_task_group() as tg:
-                    for slot in batch:
-                        if not (slot._released or slot._lost):
-                            tg.start_soon(self._renew, slot)
+                self._wake = anyio.Event()
+                with anyio.move_on_after(self._alarm - current):
+                    await self._wake.wait()
+                self._wake = None
         finally:
             self._running = False
             self._wake = None
+            self._alarm = math.inf
 
-    async def _renew(self, slot: Slot) -> None:
-        started = anyio.current_time()
-        ttl = lease_ttl(slot.limiter)
+    async def _renew_due(self, current: float) -> None:
+        batch: list[tuple[Slot, float]] = []
+        for ttl, group in self._groups.items():
+            while group and next(iter(group.values())) <= current:
+                slot, _ = group.popitem(last=False)
+                batch.append((slot, ttl))
+        async with anyio.create_task_group() as tg:
+            for slot, ttl in batch:
+                tg.start_soon(self._renew, slot, ttl)
+
+    async def _renew(self, slot: Slot, ttl: float) -> None:
+        started = now()
         try:
             renewed = await slot.limiter.renew(slot.lease)
         except Exception as exc:
@@ -87,10 +124,11 @@ class _Keeper:
                 return
             slot._renewal_failed(exc)
             expires = slot._renewed_at + ttl
-            if anyio.current_time() >= expires:
+            current = now()
+            if current >= expires:
                 slot._lose()
             else:
-                self.schedule(slot, min(expires, anyio.current_time() + ttl * _RETRY_FRACTION))
+                self.add(slot, min(expires, current + ttl * _RETRY_FRACTION), ttl)
             return
         if slot._released:
             return
@@ -99,29 +137,42 @@ class _Keeper:
             return
         slot.lease = renewed
         slot._renewed_at = started
-        self.schedule(slot, started + ttl / 3)
+        self.add(slot, started + ttl / 3, ttl)
 
 
-def _spawn(fn: Callable[[], Awaitable[None]]) -> None:
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        import trio
-
-        trio.lowlevel.spawn_system_task(fn)
-    else:
-        keeper = _keeper.get()
-        task: asyncio.Task[None] = loop.create_task(fn())  # type: ignore[arg-type]
+def _spawn(keeper: _Keeper) -> None:
+    loop = loop_identity()
+    if isinstance(loop, asyncio.AbstractEventLoop):
+        task = loop.create_task(keeper.main())
         keeper._tasks.add(task)
         task.add_done_callback(keeper._tasks.discard)
+    else:
+        import trio
+
+        trio.lowlevel.spawn_system_task(keeper.main)
+
+
+# The keeper of the loop that ran most recently: one identity check on the hot path. A
+# program runs one loop at a time; a new loop (a new test, a new anyio.run) gets a new keeper.
+_keepers: tuple[object, _Keeper] = (object(), _Keeper())
+
+
+def _keeper() -> _Keeper:
+    global _keepers
+    loop = loop_identity()
+    if _keepers[0] is not loop:
+        _keepers = (loop, _Keeper())
+    return _keepers[1]
 
 
 def track(slot: Slot) -> None:
-    """Renew ``slot``'s lease until it is released or lost."""
-    try:
-        keeper = _keeper.get()
-    except LookupError:
-        keeper = _Keeper()
-        _keeper.set(keeper)
-    ttl = lease_ttl(slot.limiter)
-    keeper.schedule(slot, slot._renewed_at + ttl / 3 if math.isfinite(ttl) else math.inf)
+    """Renew ``slot``'s lease until :func:`forget` is called or the lease is lost."""
+    ttl = slot._ttl = lease_ttl(slot.limiter)
+    slot._keeper = _keeper()
+    slot._keeper.add(slot, slot._renewed_at + ttl / 3, ttl)
+
+
+def forget(slot: Slot) -> None:
+    """Stop renewing ``slot`` (it was released)."""
+    if slot._keeper is not None:
+        slot._keeper.remove(slot, slot._ttl)

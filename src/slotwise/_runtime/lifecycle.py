@@ -19,7 +19,6 @@ from types import TracebackType
 from typing import Any, Generic, TypeVar, final
 
 import anyio
-from anyio.lowlevel import checkpoint
 
 from .._errors import (
     ConcurrencyConfigError,
@@ -45,6 +44,7 @@ from .._events import (
 )
 from .._protocol import AcquireRequest, SupportsLease
 from . import dispatch, keeper
+from .loop import checkpoint, now
 from .runs import Run, current_run
 
 __all__ = ("Slot", "acquire", "slot")
@@ -66,7 +66,7 @@ def _describe(exc: BaseException) -> str:
 def _epoch(deadline: float | None) -> float | None:
     if deadline is None or math.isinf(deadline):
         return None
-    return time.time() + (deadline - anyio.current_time())
+    return time.time() + (deadline - now())
 
 
 @final
@@ -88,10 +88,12 @@ class Slot:
 
     __slots__ = (
         "_acquired_at",
+        "_keeper",
         "_lost",
         "_released",
         "_renewed_at",
         "_scope",
+        "_ttl",
         "lease",
         "limiter",
         "limiter_name",
@@ -126,6 +128,8 @@ class Slot:
         self._released = lease is None
         self._lost = False
         self._scope: anyio.CancelScope | None = None
+        self._keeper: Any = None
+        self._ttl = 0.0
 
     @property
     def lease_id(self) -> str | None:
@@ -151,20 +155,29 @@ class Slot:
         if self._released or self.lease is None:
             return
         self._released = True
+        keeper.forget(self)
         lease = self.lease
-        hold_time = anyio.current_time() - self._acquired_at
-        with anyio.CancelScope(shield=True):
-            try:
-                await self.limiter.release(lease)
-            except Exception as exc:
-                _logger.warning(
-                    "slotwise: releasing lease %s failed: %s", lease.lease_id, _describe(exc)
-                )
-                if dispatch.wants(self.limiter):
-                    self._emit(ReleaseFailedEvent, lease_id=lease.lease_id, error=_describe(exc))
-                return
+        try:
+            release_nowait = getattr(self.limiter, "release_nowait", None)
+            if release_nowait is not None:
+                release_nowait(lease)
+            else:
+                with anyio.CancelScope(shield=True):
+                    await self.limiter.release(lease)
+        except Exception as exc:
+            _logger.warning(
+                "slotwise: releasing lease %s failed: %s", lease.lease_id, _describe(exc)
+            )
+            if dispatch.wants(self.limiter):
+                self._emit(ReleaseFailedEvent, lease_id=lease.lease_id, error=_describe(exc))
+            return
         if dispatch.wants(self.limiter):
-            self._emit(ReleasedEvent, lease_id=lease.lease_id, hold_time=hold_time, outcome=outcome)
+            self._emit(
+                ReleasedEvent,
+                lease_id=lease.lease_id,
+                hold_time=now() - self._acquired_at,
+                outcome=outcome,
+            )
 
     # -- used by the keeper ---------------------------------------------------------------
 
@@ -180,7 +193,7 @@ class Slot:
             self._emit(
                 LeaseLostEvent,
                 lease_id=self.lease.lease_id,
-                hold_time=anyio.current_time() - self._acquired_at,
+                hold_time=now() - self._acquired_at,
             )
         if self._scope is not None:
             self._scope.cancel()
@@ -213,7 +226,6 @@ class Slot:
 _ERROR_EVENTS: tuple[tuple[type[ConcurrencyError], Any], ...] = (
     (ConcurrencyTimeoutError, TimedOutEvent),
     (ConcurrencyQueueFullError, QueueFullEvent),
-    (ConcurrencyLimiterError, LimiterErrorEvent),
 )
 
 
@@ -260,32 +272,7 @@ async def acquire(
             )
     if workload is None and run is not None and run.limiter is limiter:
         workload = run.workload
-    request_id = f"{_prefix}-{next(_request_seq)}"
-    name = str(getattr(limiter, "name", type(limiter).__name__))
-    lineage = {
-        "run_id": run.run_id if run else None,
-        "root_run_id": run.root_run_id if run else None,
-        "parent_run_id": run.parent_run_id if run else None,
-    }
-    listening = dispatch.wants(limiter)
-
-    def emit(cls: Any, workload: str | None, **fields: Any) -> None:
-        dispatch.emit(
-            limiter,
-            cls(
-                limiter=name,
-                workload=workload,
-                request_id=request_id,
-                timestamp=time.time(),
-                **lineage,
-                **fields,
-            ),
-        )
-
-    def fail(exc: ConcurrencyError, workload: str | None) -> ConcurrencyError:
-        exc._fill(limiter=name, workload=workload, request_id=request_id, **lineage)
-        return exc
-
+    request = _Request(limiter, run)
     validate = getattr(limiter, "validate_workload", None)
     try:
         if validate is not None:
@@ -300,83 +287,125 @@ async def acquire(
                 "running tools, or pass allow_nested=True if you mean it"
             )
     except ConcurrencyConfigError as exc:
-        if listening:
-            emit(ConfigErrorEvent, workload, error=_describe(exc))
-        raise fail(exc, None if workload is None else str(workload)) from None
+        request.workload = None if workload is None else str(workload)
+        request.emit(ConfigErrorEvent, error=_describe(exc))
+        raise request.fill(exc) from None
+    request.workload = resolved
 
     deadline = run.deadline if run is not None else None
-    start = anyio.current_time()
-    if listening:
+    start = now() if request.listening else 0.0
+    if request.listening:
         max_wait = _max_wait(limiter, resolved)
         effective = deadline
         if max_wait is not None:
             effective = start + max_wait if effective is None else min(effective, start + max_wait)
-        emit(WaitStartedEvent, resolved, deadline=_epoch(effective))
-    request = AcquireRequest(workload=resolved, request_id=request_id, deadline=deadline, **lineage)
+        request.emit(WaitStartedEvent, deadline=_epoch(effective))
     try:
-        lease = await limiter.acquire(request)
+        lease = await limiter.acquire(
+            AcquireRequest(
+                workload=resolved,
+                request_id=request.request_id,
+                run_id=request.run_id,
+                root_run_id=request.root_run_id,
+                parent_run_id=request.parent_run_id,
+                deadline=deadline,
+            )
+        )
     except anyio.get_cancelled_exc_class():
-        waited = anyio.current_time() - start
-        if (
-            run is not None
-            and deadline is not None
-            and not run.cancelled
-            and anyio.current_time() >= deadline
-        ):
+        current = now()
+        waited = current - start if request.listening else 0.0
+        if run is not None and deadline is not None and not run.cancelled and current >= deadline:
             # The run's budget ended while we waited: the API promises a timeout error here,
             # not the cancellation the run's scope delivered.
-            if listening:
-                emit(TimedOutEvent, resolved, wait_time=waited)
-            raise fail(
+            request.emit(TimedOutEvent, wait_time=waited)
+            raise request.fill(
                 ConcurrencyTimeoutError(
-                    f"the run's time budget ended after waiting {waited:.3f}s for a slot"
-                ),
-                resolved,
+                    "the run's time budget ended while the request waited for a slot"
+                )
             ) from None
-        if listening:
-            emit(WaitCancelledEvent, resolved, wait_time=waited)
+        request.emit(WaitCancelledEvent, wait_time=waited)
         raise
     except ConcurrencyConfigError as exc:
-        if listening:
-            emit(ConfigErrorEvent, resolved, error=_describe(exc))
-        raise fail(exc, resolved) from None
-    except ConcurrencyError as exc:
-        waited = anyio.current_time() - start
+        request.emit(ConfigErrorEvent, error=_describe(exc))
+        raise request.fill(exc) from None
+    except Exception as exc:
+        waited = now() - start if request.listening else 0.0
         for cls, event in _ERROR_EVENTS:
             if isinstance(exc, cls):
-                if listening:
-                    extra = {"error": _describe(exc)} if event is LimiterErrorEvent else {}
-                    emit(event, resolved, wait_time=waited, **extra)
-                raise fail(exc, resolved) from None
-        raise _limiter_error(exc, emit if listening else None, resolved, waited, fail) from exc
-    except Exception as exc:
-        waited = anyio.current_time() - start
-        raise _limiter_error(exc, emit if listening else None, resolved, waited, fail) from exc
-    now = anyio.current_time()
+                request.emit(event, wait_time=waited)
+                raise request.fill(exc) from None
+        request.emit(LimiterErrorEvent, wait_time=waited, error=_describe(exc))
+        if isinstance(exc, ConcurrencyLimiterError):
+            raise request.fill(exc) from None
+        raise request.fill(
+            ConcurrencyLimiterError(f"the limiter failed while acquiring a slot: {_describe(exc)}")
+        ) from exc
+    acquired_at = now()
     slot = Slot(
         limiter=limiter,
-        limiter_name=name,
+        limiter_name=request.limiter_name,
         workload=resolved,
-        request_id=request_id,
+        request_id=request.request_id,
         run=run,
         lease=lease,
-        now=now,
+        now=acquired_at,
     )
     keeper.track(slot)
-    if listening:
-        emit(AcquiredEvent, resolved, lease_id=lease.lease_id, wait_time=now - start)
+    request.emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=acquired_at - start)
     return slot
 
 
-def _limiter_error(
-    exc: BaseException, emit: Any, workload: str, waited: float, fail: Any
-) -> ConcurrencyError:
-    if emit is not None:
-        emit(LimiterErrorEvent, workload, wait_time=waited, error=_describe(exc))
-    return fail(  # type: ignore[no-any-return]
-        ConcurrencyLimiterError(f"the limiter failed while acquiring a slot: {_describe(exc)}"),
-        workload,
+@final
+class _Request:
+    """The identity of one slot request: what its events and errors carry."""
+
+    __slots__ = (
+        "limiter",
+        "limiter_name",
+        "listening",
+        "parent_run_id",
+        "request_id",
+        "root_run_id",
+        "run_id",
+        "workload",
     )
+
+    def __init__(self, limiter: Any, run: Run | None) -> None:
+        self.limiter = limiter
+        self.limiter_name = str(getattr(limiter, "name", type(limiter).__name__))
+        self.request_id = f"{_prefix}-{next(_request_seq)}"
+        self.run_id = run.run_id if run is not None else None
+        self.root_run_id = run.root_run_id if run is not None else None
+        self.parent_run_id = run.parent_run_id if run is not None else None
+        self.workload: str | None = None
+        self.listening = dispatch.wants(limiter)
+
+    def emit(self, cls: Any, **fields: Any) -> None:
+        if self.listening:
+            dispatch.emit(
+                self.limiter,
+                cls(
+                    limiter=self.limiter_name,
+                    workload=self.workload,
+                    run_id=self.run_id,
+                    root_run_id=self.root_run_id,
+                    parent_run_id=self.parent_run_id,
+                    request_id=self.request_id,
+                    timestamp=time.time(),
+                    **fields,
+                ),
+            )
+
+    def fill(self, exc: ConcurrencyError) -> ConcurrencyError:
+        exc._fill(
+            limiter=self.limiter_name,
+            workload=self.workload,
+            run_id=self.run_id,
+            root_run_id=self.root_run_id,
+            parent_run_id=self.parent_run_id,
+            request_id=self.request_id,
+        )
+        return exc
 
 
 def _max_wait(limiter: Any, workload: str) -> float | None:

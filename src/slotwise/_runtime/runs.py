@@ -94,12 +94,31 @@ class Run:
         )
 
 
+def _limiter_name(limiter: Any) -> str | None:
+    if limiter is None:
+        return None
+    return str(getattr(limiter, "name", type(limiter).__name__))
+
+
+def _check_limiter(limiter: Any) -> None:
+    missing = [
+        method
+        for method in ("acquire", "renew", "release")
+        if not callable(getattr(limiter, method, None))
+    ]
+    if missing:
+        raise ConcurrencyConfigError(
+            f"limiter must be a limiter (an object with async acquire, renew and release), "
+            f"got {limiter!r}, which has no {', '.join(missing)}"
+        )
+
+
 def _resolve(limiter: Any, workload: str | None) -> str | None:
     validate = getattr(limiter, "validate_workload", None)
     if validate is None:
-        return workload
+        return None if workload is None else str(workload)
     try:
-        return validate(workload)  # type: ignore[no-any-return]
+        return str(validate(workload))
     except ConcurrencyConfigError:
         if workload is None:
             return None  # several workloads, no default: each slot must name one
@@ -124,16 +143,21 @@ class _RunContext:
             )
         if run_id is not None and (not isinstance(run_id, str) or not run_id):
             raise ConcurrencyConfigError(f"run_id must be a non-empty string, got {run_id!r}")
+        if limiter is not None:
+            _check_limiter(limiter)
         self._limiter = limiter
         self._workload = workload
-        self._timeout = timeout
+        self._timeout = None if timeout is None or math.isinf(timeout) else float(timeout)
         self._run_id = run_id
         self._run: Run | None = None
         self._token: Token[Run | None] | None = None
 
     async def __aenter__(self) -> Run:
+        if self._run is not None:
+            raise RuntimeError("a slotwise.run() context can be entered only once")
         await anyio.lowlevel.checkpoint()
         parent = _current.get()
+        run_id = self._run_id or uuid.uuid4().hex
         limiter = self._limiter
         if limiter is None and parent is not None:
             limiter = parent.limiter
@@ -141,19 +165,26 @@ class _RunContext:
         if workload is None and parent is not None and limiter is parent.limiter:
             workload = parent.workload
         if limiter is not None:
-            workload = _resolve(limiter, workload)
+            try:
+                workload = _resolve(limiter, workload)
+            except ConcurrencyConfigError as exc:
+                exc._fill(
+                    limiter=_limiter_name(limiter),
+                    workload=None if workload is None else str(workload),
+                    run_id=run_id,
+                    root_run_id=parent.root_run_id if parent is not None else run_id,
+                    parent_run_id=parent.run_id if parent is not None else None,
+                )
+                raise
         elif workload is not None:
             workload = str(workload)
+        # The budget only shrinks down the tree: waiting for a slot spends it, nothing renews it.
         deadline = parent.deadline if parent is not None else None
         if self._timeout is not None:
             own = anyio.current_time() + self._timeout
             deadline = own if deadline is None else min(deadline, own)
         run = Run(
-            run_id=self._run_id or uuid.uuid4().hex,
-            parent=parent,
-            limiter=limiter,
-            workload=workload,
-            deadline=deadline,
+            run_id=run_id, parent=parent, limiter=limiter, workload=workload, deadline=deadline
         )
         if parent is not None:
             parent._children.add(run)
@@ -174,6 +205,7 @@ class _RunContext:
         assert run is not None
         assert self._token is not None
         _current.reset(self._token)
+        self._token = None
         swallowed = run._scope.__exit__(exc_type, exc, tb)
         if (
             run._scope.cancelled_caught
@@ -181,6 +213,8 @@ class _RunContext:
             and run.deadline is not None
             and anyio.current_time() >= run.deadline
         ):
+            # Our own scope stopped the body at the deadline: say so, rather than ending
+            # quietly as a cancelled run does.
             raise TimeoutError(f"run {run.run_id} ran out of its time budget") from exc
         return bool(swallowed)
 
