@@ -118,7 +118,9 @@ class _Keeper:
     async def _renew(self, slot: Slot, ttl: float) -> None:
         started = now()
         try:
-            renewed = await slot.limiter.renew(slot.lease)
+            # A renewal that hangs must not outlive the lease it is trying to save.
+            with anyio.fail_after(max(0.0, slot._renewed_at + ttl - started)):
+                renewed = await slot.limiter.renew(slot.lease)
         except Exception as exc:
             if slot._released:
                 return
