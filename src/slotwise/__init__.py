@@ -75,6 +75,7 @@ __all__ = (
     "Run",
     "Slot",
     "SlotContext",
+    "SupportsLease",
     "TimedOutEvent",
     "WaitCancelledEvent",
     "WaitStartedEvent",

@@ -20,7 +20,7 @@ DEFAULT_WORKLOAD = "default"
 class Workload:
     """One named share of a limiter's capacity.
 
-    Args:
+    Attributes:
         max_concurrent: The workload's ceiling; None means the limiter's ``max_concurrent``.
         reserved: Slots only this workload can use, counted inside the limiter's
             ``max_concurrent``. Reservations are strict: unused reserved slots stay idle.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Generic, TypeVar, final
+from typing import Generic, TypeVar, final, overload
 
 import anyio
 
@@ -62,6 +62,30 @@ class MemoryLimiter(Generic[W]):
 
     __slots__ = ("__weakref__", "_settings", "_state", "_watcher")
 
+    @overload
+    def __init__(
+        self: MemoryLimiter[str],
+        *,
+        name: str = ...,
+        max_concurrent: int,
+        max_queued: int | None = ...,
+        lease_ttl: float = ...,
+        workloads: None = ...,
+        default_workload: str | None = ...,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        *,
+        name: str = ...,
+        max_concurrent: int,
+        max_queued: int | None = ...,
+        lease_ttl: float = ...,
+        workloads: Mapping[W, Workload],
+        default_workload: W | None = ...,
+    ) -> None: ...
+
     def __init__(
         self,
         *,
@@ -70,7 +94,7 @@ class MemoryLimiter(Generic[W]):
         max_queued: int | None = None,
         lease_ttl: float = 30.0,
         workloads: Mapping[W, Workload] | None = None,
-        default_workload: W | None = None,
+        default_workload: str | None = None,
     ) -> None:
         self._settings: Settings = build_settings(
             name=name,
@@ -200,7 +224,7 @@ class MemoryLimiter(Generic[W]):
             self._leave(ticket)
             raise ConcurrencyTimeoutError(
                 f"no slot within {now - ticket.enqueued_at:.3f}s"
-                + (f" (max_wait={max_wait})" if max_wait is not None else "")
+                + (f", max_wait={max_wait}" if max_wait is not None else "")
             )
         self._leave_watch(ticket)
         return self._lease(ticket)

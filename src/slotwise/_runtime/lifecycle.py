@@ -446,12 +446,14 @@ class SlotContext(Generic[W]):
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> None:
         slot = self._slot
         if slot is None or slot._scope is None:
-            return False
+            return
         scope, slot._scope = slot._scope, None
-        swallowed = scope.__exit__(exc_type, exc, tb)
+        # Only the keeper cancels this scope, and only when the lease is lost: if the scope
+        # swallowed a cancellation, the lease-lost error below takes its place.
+        scope.__exit__(exc_type, exc, tb)
         if self._token is not None:
             _holding.reset(self._token)
         lost = slot._lost and scope.cancelled_caught
@@ -473,7 +475,6 @@ class SlotContext(Generic[W]):
                 parent_run_id=slot.parent_run_id,
                 request_id=slot.request_id,
             ) from None
-        return bool(swallowed)
 
 
 def slot(
