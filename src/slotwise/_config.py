@@ -1,7 +1,5 @@
 """Workload settings and the validation shared by every built-in limiter."""
 
-from __future__ import annotations
-
 import math
 from collections.abc import Mapping
 from typing import Any

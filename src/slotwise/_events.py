@@ -4,8 +4,6 @@ Events identify the limiter, the workload, the run lineage and the request, and 
 fields listed in API.md: never a prompt, an argument, a header or a credential.
 """
 
-from __future__ import annotations
-
 from typing import Literal, TypeAlias
 
 import attrs

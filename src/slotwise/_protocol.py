@@ -4,8 +4,6 @@ The runtime (``slotwise.slot``) owns the slot lifecycle: waiting bounds from the
 renewal, release, events and errors. A limiter owns allocation, queue order and storage.
 """
 
-from __future__ import annotations
-
 from typing import Protocol, runtime_checkable
 
 import attrs

@@ -1,7 +1,5 @@
 """Point-in-time counts returned by ``await limiter.stats()``."""
 
-from __future__ import annotations
-
 from collections.abc import Mapping
 
 import attrs

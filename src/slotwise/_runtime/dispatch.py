@@ -14,14 +14,26 @@ __all__ = ("Callback", "emit", "subscribe", "wants")
 Callback = Callable[[ConcurrencyEvent], object]
 
 _logger = logging.getLogger("slotwise")
-_everywhere: list[Callback] = []
-_by_limiter: weakref.WeakKeyDictionary[Any, list[Callback]] = weakref.WeakKeyDictionary()
+
+
+class _Subscription:
+    """One ``subscribe`` call: removed by identity, so the same callback may be subscribed
+    twice and each unsubscribe removes its own."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self, callback: Callback) -> None:
+        self.callback = callback
+
+
+_everywhere: list[_Subscription] = []
+_by_limiter: weakref.WeakKeyDictionary[Any, list[_Subscription]] = weakref.WeakKeyDictionary()
 # Limiters that cannot be weakly referenced (custom classes with __slots__ and no
 # __weakref__) are kept by id, with the object itself to keep the id valid.
-_by_id: dict[int, tuple[Any, list[Callback]]] = {}
+_by_id: dict[int, tuple[Any, list[_Subscription]]] = {}
 
 
-def _callbacks(limiter: Any) -> list[Callback] | None:
+def _callbacks(limiter: Any) -> list[_Subscription] | None:
     try:
         return _by_limiter.get(limiter)
     except TypeError:
@@ -49,18 +61,19 @@ def subscribe(callback: Callback, limiter: Any = None) -> Callable[[], None]:
                 _by_id[id(limiter)] = (limiter, existing)
         target = existing
 
+    subscription = _Subscription(callback)
+
     def unsubscribe() -> None:
-        try:
-            target.remove(callback)
-        except ValueError:
+        if not any(entry is subscription for entry in target):
             return
+        target[:] = [entry for entry in target if entry is not subscription]
         if limiter is not None and not target:
             try:
                 _by_limiter.pop(limiter, None)
             except TypeError:
                 _by_id.pop(id(limiter), None)
 
-    target.append(callback)
+    target.append(subscription)
     return unsubscribe
 
 
@@ -73,8 +86,10 @@ def wants(limiter: Any) -> bool:
 
 def emit(limiter: Any, event: ConcurrencyEvent) -> None:
     """Deliver ``event``; a callback that raises is logged and never reaches the slot."""
-    for callback in (*(_callbacks(limiter) or ()), *_everywhere):
+    for entry in (*(_callbacks(limiter) or ()), *_everywhere):
         try:
-            callback(event)
+            entry.callback(event)
         except Exception:
-            _logger.exception("slotwise event subscriber %r raised on %s", callback, event.kind)
+            _logger.exception(
+                "slotwise event subscriber %r raised on %s", entry.callback, event.kind
+            )

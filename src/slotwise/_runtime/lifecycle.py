@@ -8,6 +8,7 @@ request's lineage.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -19,6 +20,7 @@ from types import TracebackType
 from typing import Any, Generic, TypeVar, final
 
 import anyio
+from anyio.lowlevel import checkpoint_if_cancelled
 
 from .._errors import (
     ConcurrencyConfigError,
@@ -54,9 +56,8 @@ W = TypeVar("W", bound=str)
 _logger = logging.getLogger("slotwise")
 _prefix = secrets.token_hex(4)
 _request_seq = itertools.count(1)
-# Limiters whose slots the current task (and the tasks it starts) holds, for the nested-slot
-# deadlock guard.
-_holding: ContextVar[tuple[Any, ...]] = ContextVar("slotwise_holding", default=())
+# Slots the current task (and the tasks it starts) holds, for the nested-slot deadlock guard.
+_holding: ContextVar[tuple[Slot, ...]] = ContextVar("slotwise_holding", default=())
 
 
 def _describe(exc: BaseException) -> str:
@@ -279,7 +280,9 @@ async def acquire(
             resolved = str(validate(workload))
         else:
             resolved = "default" if workload is None else str(workload)
-        if not allow_nested and any(held is limiter for held in _holding.get()):
+        if not allow_nested and any(
+            held.limiter is limiter and not held.released for held in _holding.get()
+        ):
             raise ConcurrencyConfigError(
                 "this task already holds a slot of this limiter; taking another inside it "
                 "can deadlock a small limiter (a tool started inside a slot that starts a "
@@ -311,6 +314,13 @@ async def acquire(
                 deadline=deadline,
             )
         )
+        try:
+            # Granted just as the request was cancelled: give it back before any body runs.
+            await checkpoint_if_cancelled()
+        except BaseException:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await limiter.release(lease)
+            raise
     except anyio.get_cancelled_exc_class():
         current = now()
         waited = current - start if request.listening else 0.0
@@ -430,13 +440,13 @@ class SlotContext(Generic[W]):
         self._limiter = limiter
         self._allow_nested = allow_nested
         self._slot: Slot | None = None
-        self._token: Token[tuple[Any, ...]] | None = None
+        self._token: Token[tuple[Slot, ...]] | None = None
 
     async def __aenter__(self) -> Slot:
         slot = await acquire(self._workload, limiter=self._limiter, allow_nested=self._allow_nested)
         self._slot = slot
         if slot.lease is not None:
-            self._token = _holding.set((*_holding.get(), slot.limiter))
+            self._token = _holding.set((*_holding.get(), slot))
             slot._scope = anyio.CancelScope()
             slot._scope.__enter__()
         return slot

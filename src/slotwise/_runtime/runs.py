@@ -27,7 +27,11 @@ def current_run() -> Run | None:
 class Run:
     """A unit of work whose slots share a limiter, a workload, a budget and a lineage.
 
-    Create one with ``async with slotwise.run(...) as run``.
+    Create one with ``async with slotwise.run(...) as run``. The run is the current run of
+    its block and of every task started from inside it; a run's cancellation and deadline
+    reach the tasks of task groups opened inside it, and every child run wherever it runs.
+    A task started in a task group opened *outside* the run should open its own child run
+    (``async with slotwise.run():``) to receive them.
 
     Attributes:
         run_id: This run's id.
@@ -73,9 +77,14 @@ class Run:
         self._scope = anyio.CancelScope(deadline=math.inf if deadline is None else deadline)
 
     def cancel(self) -> None:
-        """Cancel this run and every child run, wherever it runs: a waiting request leaves
-        its queue, a running body is cancelled and its slot released. The ``async with``
-        block of the run then ends without an error."""
+        """Cancel this run and every child run, wherever it runs.
+
+        A waiting request leaves its queue (a ``wait-cancelled`` event); a running body is
+        cancelled and its slot released (a ``released`` event with outcome ``"cancelled"``).
+        The run's ``async with`` block then ends without an error, as an anyio cancel scope
+        does. A child run started later is cancelled as it starts. Calling it again does
+        nothing more.
+        """
         self._cancelled = True
         self._scope.cancel()
         for child in list(self._children):
@@ -92,12 +101,6 @@ class Run:
             f"<slotwise.Run {self.run_id} root={self.root_run_id} "
             f"parent={self.parent_run_id} limiter={limiter!r} workload={self.workload!r}>"
         )
-
-
-def _limiter_name(limiter: Any) -> str | None:
-    if limiter is None:
-        return None
-    return str(getattr(limiter, "name", type(limiter).__name__))
 
 
 def _check_limiter(limiter: Any) -> None:
@@ -123,6 +126,20 @@ def _resolve(limiter: Any, workload: str | None) -> str | None:
         if workload is None:
             return None  # several workloads, no default: each slot must name one
         raise
+
+
+def _refuse(
+    exc: ConcurrencyConfigError, limiter: Any, workload: str | None, run_id: str, parent: Run | None
+) -> None:
+    """Give the error of a run that cannot start its limiter and lineage. No event: events
+    belong to slot requests, and this run asked for none."""
+    exc._fill(
+        limiter=str(getattr(limiter, "name", type(limiter).__name__)),
+        workload=None if workload is None else str(workload),
+        run_id=run_id,
+        root_run_id=parent.root_run_id if parent is not None else run_id,
+        parent_run_id=parent.run_id if parent is not None else None,
+    )
 
 
 @final
@@ -168,13 +185,7 @@ class _RunContext:
             try:
                 workload = _resolve(limiter, workload)
             except ConcurrencyConfigError as exc:
-                exc._fill(
-                    limiter=_limiter_name(limiter),
-                    workload=None if workload is None else str(workload),
-                    run_id=run_id,
-                    root_run_id=parent.root_run_id if parent is not None else run_id,
-                    parent_run_id=parent.run_id if parent is not None else None,
-                )
+                _refuse(exc, limiter, workload, run_id, parent)
                 raise
         elif workload is not None:
             workload = str(workload)
@@ -241,7 +252,9 @@ def run(
         run_id: The run's id; default: a random one.
 
     Raises:
-        ConcurrencyConfigError: an unknown workload, or an invalid timeout or run_id.
+        ConcurrencyConfigError: an unknown workload (when the run starts), an invalid
+            timeout or run_id, or a limiter that is not a limiter. It carries the run's
+            lineage.
         TimeoutError: on exit, when the budget ended while the body ran (the body was
             cancelled and its slot released).
 
