@@ -26,6 +26,7 @@ from ._events import EventKind as EventKind
 from ._events import LeaseLostEvent as LeaseLostEvent
 from ._events import LimiterErrorEvent as LimiterErrorEvent
 from ._events import QueueFullEvent as QueueFullEvent
+from ._events import ReclaimedEvent as ReclaimedEvent
 from ._events import ReleasedEvent as ReleasedEvent
 from ._events import ReleaseFailedEvent as ReleaseFailedEvent
 from ._events import RenewalFailedEvent as RenewalFailedEvent
@@ -69,6 +70,7 @@ __all__ = (
     "LimiterStats",
     "MemoryLimiter",
     "QueueFullEvent",
+    "ReclaimedEvent",
     "ReleaseFailedEvent",
     "ReleasedEvent",
     "RenewalFailedEvent",

@@ -16,6 +16,7 @@ __all__ = (
     "LeaseLostEvent",
     "LimiterErrorEvent",
     "QueueFullEvent",
+    "ReclaimedEvent",
     "ReleaseFailedEvent",
     "ReleasedEvent",
     "RenewalFailedEvent",
@@ -120,6 +121,18 @@ class ReleasedEvent(_Event):
 
 
 @attrs.frozen(kw_only=True)
+class ReclaimedEvent(_Event):
+    """The holder of a slot was garbage collected without giving it back, and slotwise gave it
+    back. ``source`` says what was abandoned: ``"unclosed-response"``, an HTTP response neither
+    read to its end nor closed. The ``released`` event (outcome ``"cancelled"``) follows."""
+
+    kind: Literal["reclaimed"] = "reclaimed"
+    lease_id: str
+    hold_time: float
+    source: Literal["unclosed-response"]
+
+
+@attrs.frozen(kw_only=True)
 class RenewalFailedEvent(_Event):
     """A renewal raised; it is retried until the lease would expire."""
 
@@ -156,6 +169,7 @@ ConcurrencyEvent: TypeAlias = (
     | LimiterErrorEvent
     | ConfigErrorEvent
     | ReleasedEvent
+    | ReclaimedEvent
     | RenewalFailedEvent
     | LeaseLostEvent
     | ReleaseFailedEvent
@@ -170,6 +184,7 @@ EventKind: TypeAlias = Literal[
     "limiter-error",
     "config-error",
     "released",
+    "reclaimed",
     "renewal-failed",
     "lease-lost",
     "release-failed",

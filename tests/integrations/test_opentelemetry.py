@@ -1,0 +1,336 @@
+"""slotwise.opentelemetry against the OpenTelemetry SDK's in-memory reader and exporter.
+
+The scenario runs on trio's MockClock (exact times) and on asyncio with short real durations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import attrs
+import pytest
+import trio.testing
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+import slotwise
+import slotwise.httpx
+import slotwise.opentelemetry
+from slotwise import ConcurrencyEvent, MemoryLimiter, Workload
+
+from ._helpers import closes_early
+from .conftest import FakeProvider
+
+pytestmark = pytest.mark.anyio
+
+MOCK_TRIO = pytest.param(
+    ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)}), id="trio-mockclock"
+)
+BACKENDS = [MOCK_TRIO, pytest.param("asyncio", id="asyncio")]
+
+
+class Otel:
+    """An SDK meter provider and tracer provider, recording in memory."""
+
+    def __init__(self) -> None:
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader])
+        self.exporter = InMemorySpanExporter()
+        self.tracer_provider = TracerProvider()
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.cleanups: list[Callable[[], None]] = []
+
+    def instrument(self, limiter: Any = None) -> Callable[[], None]:
+        uninstrument = slotwise.opentelemetry.instrument(
+            limiter, meter_provider=self.meter_provider, tracer_provider=self.tracer_provider
+        )
+        self.cleanups.append(uninstrument)
+        return uninstrument
+
+    def points(self) -> dict[str, list[Any]]:
+        """Every data point, by metric name."""
+        found: dict[str, list[Any]] = {}
+        data = self.reader.get_metrics_data()
+        for resource in data.resource_metrics if data else ():
+            for scope in resource.scope_metrics:
+                assert scope.scope.name == "slotwise"
+                for metric in scope.metrics:
+                    found.setdefault(metric.name, []).extend(metric.data.data_points)
+        return found
+
+    def value(self, name: str, **attributes: str) -> Any:
+        """The value (a sum, or a histogram's (count, sum)) of the point with these attributes."""
+        wanted = {f"slotwise.{k}" if "." not in k else k: v for k, v in attributes.items()}
+        wanted = {k.replace("slotwise.state", "slotwise.slot.state"): v for k, v in wanted.items()}
+        matches = [p for p in self.points().get(name, []) if dict(p.attributes) == wanted]
+        assert len(matches) <= 1
+        if not matches:
+            return None
+        point = matches[0]
+        return (point.count, point.sum) if hasattr(point, "count") else point.value
+
+    def spans(self) -> list[ReadableSpan]:
+        return list(self.exporter.get_finished_spans())
+
+
+@pytest.fixture
+def otel() -> Iterator[Otel]:
+    o = Otel()
+    yield o
+    for cleanup in o.cleanups:
+        cleanup()
+    o.meter_provider.shutdown()
+    o.tracer_provider.shutdown()
+
+
+@pytest.mark.parametrize("anyio_backend", BACKENDS)
+async def test_metrics_and_spans_of_waits_timeouts_and_rejections(
+    otel: Otel, anyio_backend_name: str
+) -> None:
+    # On the mock clock a unit is a second and times are exact; on asyncio they are real.
+    unit = 1.0 if anyio_backend_name == "trio" else 0.05
+    limiter: MemoryLimiter[str] = MemoryLimiter(
+        name="claude",
+        max_concurrent=1,
+        max_queued=2,
+        workloads={"default": Workload(), "fast": Workload(max_wait=2 * unit)},
+    )
+    uninstrument = otel.instrument(limiter)
+
+    async def hold(workload: str, seconds: float) -> None:
+        async with limiter.slot(workload=workload):
+            await anyio.sleep(seconds)
+
+    async def timed_out() -> None:
+        with pytest.raises(slotwise.ConcurrencyTimeoutError):
+            await hold("fast", 0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(hold, "default", 5 * unit)  # A: at once, holds 5
+        await wait_for_stats(limiter, active=1)
+        tg.start_soon(hold, "default", 1 * unit)  # B: waits 5, holds 1
+        await wait_for_stats(limiter, queued=1)
+        tg.start_soon(timed_out)  # C: gives up after 2
+        await wait_for_stats(limiter, queued=2)
+        with pytest.raises(slotwise.ConcurrencyQueueFullError):  # D: refused at once
+            await hold("default", 0)
+
+        assert (
+            otel.value("slotwise.slot.count", limiter="claude", workload="default", state="active")
+            == 1
+        )
+        assert (
+            otel.value("slotwise.slot.count", limiter="claude", workload="default", state="queued")
+            == 1
+        )
+        assert (
+            otel.value("slotwise.slot.count", limiter="claude", workload="fast", state="queued")
+            == 1
+        )
+
+    for workload in ("default", "fast"):
+        for state in ("active", "queued"):
+            value = otel.value(
+                "slotwise.slot.count", limiter="claude", workload=workload, state=state
+            )
+            assert value in (0, None)
+    assert otel.value("slotwise.slot.timeouts", limiter="claude", workload="fast") == 1
+    assert otel.value("slotwise.slot.rejections", limiter="claude", workload="default") == 1
+    assert otel.value("slotwise.slot.limit", limiter="claude") == 1
+    assert otel.value("slotwise.workload.limit", limiter="claude", workload="fast") == 1
+    assert otel.value("slotwise.workload.reserved", limiter="claude", workload="default") == 0
+    wait_count, wait_sum = otel.value(
+        "slotwise.slot.wait_time", limiter="claude", workload="default"
+    )
+    hold_count, hold_sum = otel.value(
+        "slotwise.slot.hold_time", limiter="claude", workload="default", outcome="completed"
+    )
+    # A and B; C and D never got a slot.
+    assert wait_count == 2
+    assert hold_count == 2
+    if unit == 1.0:
+        assert wait_sum == pytest.approx(5.0)
+        assert hold_sum == pytest.approx(6.0)
+    else:
+        assert wait_sum >= 5 * unit
+        assert hold_sum >= 6 * unit
+
+    # Spans only for the requests that waited: B (acquired) and C (timed out).
+    spans = sorted(otel.spans(), key=lambda s: str(attributes(s)["slotwise.wait.outcome"]))
+    assert [s.name for s in spans] == ["slotwise.wait", "slotwise.wait"]
+    acquired, gave_up = spans
+    assert attributes(acquired)["slotwise.wait.outcome"] == "acquired"
+    assert attributes(acquired)["slotwise.workload"] == "default"
+    assert attributes(acquired)["slotwise.lease.id"]
+    assert acquired.status.status_code == StatusCode.UNSET
+    assert attributes(gave_up)["slotwise.wait.outcome"] == "timed-out"
+    assert attributes(gave_up)["slotwise.workload"] == "fast"
+    assert gave_up.status.status_code == StatusCode.ERROR
+    if unit == 1.0:
+        assert duration(acquired) == pytest.approx(5.0, abs=1e-6)
+        assert duration(gave_up) == pytest.approx(2.0, abs=1e-6)
+
+    # Nothing more is recorded once uninstrumented.
+    uninstrument()
+    uninstrument()
+    await hold("default", 0)
+    assert (
+        otel.value(
+            "slotwise.slot.hold_time", limiter="claude", workload="default", outcome="completed"
+        )[0]
+        == 2
+    )
+    assert otel.value("slotwise.slot.limit", limiter="claude") is None
+
+
+def attributes(span: ReadableSpan) -> dict[str, Any]:
+    return dict(span.attributes or {})
+
+
+def duration(span: ReadableSpan) -> float:
+    assert span.start_time is not None
+    assert span.end_time is not None
+    return (span.end_time - span.start_time) / 1e9
+
+
+async def wait_for_stats(limiter: MemoryLimiter[Any], *, active: int = 0, queued: int = 0) -> None:
+    while True:
+        stats = await limiter.stats()
+        if stats.active >= active and stats.queued >= queued:
+            return
+        await anyio.lowlevel.checkpoint()
+
+
+class LosingLimiter:
+    """A custom limiter whose leases are gone at the first renewal."""
+
+    name = "losing"
+    lease_ttl = 0.3
+
+    def __init__(self) -> None:
+        self.inner: MemoryLimiter[str] = MemoryLimiter(name="losing", max_concurrent=1)
+
+    async def acquire(self, request: slotwise.AcquireRequest) -> Any:
+        return await self.inner.acquire(request)
+
+    async def renew(self, lease: Any) -> None:
+        return None
+
+    async def release(self, lease: Any) -> None:
+        await self.inner.release(lease)
+
+
+class BrokenLimiter:
+    """A custom limiter whose database is down; the error quotes a secret."""
+
+    name = "broken"
+
+    async def acquire(self, request: slotwise.AcquireRequest) -> Any:
+        raise ConnectionError("could not connect with password=hunter2")
+
+    async def renew(self, lease: Any) -> Any:
+        raise AssertionError("never called")
+
+    async def release(self, lease: Any) -> None:
+        raise AssertionError("never called")
+
+
+async def test_lost_leases_and_limiter_errors(otel: Otel) -> None:
+    otel.instrument()
+    losing = LosingLimiter()
+    with pytest.raises(slotwise.ConcurrencyLeaseLostError):
+        async with slotwise.slot(limiter=losing):
+            await anyio.sleep(5)
+    with pytest.raises(slotwise.ConcurrencyLimiterError):
+        async with slotwise.slot(limiter=BrokenLimiter()):
+            pass
+    assert otel.value("slotwise.slot.leases_lost", limiter="losing", workload="default") == 1
+    assert (
+        otel.value("slotwise.slot.count", limiter="losing", workload="default", state="active") == 0
+    )
+    assert (
+        otel.value(
+            "slotwise.limiter.errors",
+            limiter="broken",
+            workload="default",
+            operation="acquire",
+            **{"error.type": "ConnectionError"},
+        )
+        == 1
+    )
+    assert "hunter2" not in everything_recorded(otel, [])
+    # A limiter object named by nobody has no limit to report.
+    assert "slotwise.slot.limit" not in otel.points()
+
+
+async def test_without_an_sdk_nothing_happens() -> None:
+    """With the API's default (no-op) providers, instrumenting costs nothing and breaks nothing."""
+    limiter: MemoryLimiter[str] = MemoryLimiter(name="quiet", max_concurrent=1)
+    uninstrument = slotwise.opentelemetry.instrument(limiter)
+    async with limiter.slot():
+        pass
+    uninstrument()
+
+
+@closes_early
+async def test_no_header_body_or_prompt_is_ever_recorded(
+    otel: Otel, provider: FakeProvider
+) -> None:
+    openai = pytest.importorskip("openai")
+    key = "sk-never-record-this-0123456789"
+    prompt = "PROMPT-never-record-this"
+    limiter: MemoryLimiter[str] = MemoryLimiter(name="claude", max_concurrent=1)
+    events: list[ConcurrencyEvent] = []
+    otel.cleanups.append(slotwise.subscribe(events.append))
+    otel.instrument()
+    client = openai.AsyncOpenAI(
+        api_key=key,
+        base_url=f"{provider.url}/v1",
+        http_client=slotwise.httpx.client(limiter=limiter),
+        default_headers={"x-custom": key},
+        max_retries=2,
+    )
+
+    async def ask(stream: bool) -> None:
+        result = await client.chat.completions.create(
+            model="fake",
+            messages=[{"role": "user", "content": prompt}],
+            stream=stream,
+            extra_headers={"x-fake-delay": "0.05", "x-fake-429": "1"},
+        )
+        if stream:
+            async for _ in result:
+                pass
+
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(ask, i % 2 == 0)
+    await client.close()
+
+    # The secrets did travel: the server saw them.
+    assert any(key in a for a in provider.authorizations)
+    assert any(prompt.encode() in b for b in provider.bodies)
+    # And slotwise saw the requests: events, metrics and at least one wait span.
+    assert otel.points()["slotwise.slot.hold_time"]
+    assert otel.spans()
+    recorded = everything_recorded(otel, events)
+    assert key not in recorded
+    assert prompt not in recorded
+    assert "authorization" not in recorded.lower()
+
+
+def everything_recorded(otel: Otel, events: list[ConcurrencyEvent]) -> str:
+    parts = [repr(attrs.asdict(e)) for e in events]
+    for name, points in otel.points().items():
+        parts.append(name)
+        parts.extend(repr(dict(p.attributes)) for p in points)
+    for span in otel.spans():
+        parts.append(span.to_json())
+    return "\n".join(parts)
