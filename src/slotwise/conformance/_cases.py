@@ -1,0 +1,863 @@
+"""The duties of a limiter, one probe each.
+
+Each case builds the limiters it needs through the user's factory, drives them through the
+protocol, and fails with a message that starts with its duty. Every lease a probe holds is
+counted (see ``_harness.Subject.hold``), so an over-grant fails whichever case provokes it.
+Waits are bounded by generous timeouts; "must not happen" checks watch a quiet window, which
+can only let a slow bug pass, never fail a correct limiter.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import attrs
+from anyio.lowlevel import checkpoint
+
+from .._config import Workload
+from .._errors import ConcurrencyQueueFullError, ConcurrencyTimeoutError
+from .._runtime.lifecycle import acquire as runtime_acquire
+from .._runtime.lifecycle import slot as runtime_slot
+from ._harness import Harness, Probe, Subject
+
+__all__ = ("CASES", "CaseSpec")
+
+Body = Callable[[Harness], Awaitable[None]]
+
+
+@attrs.frozen(kw_only=True)
+class CaseSpec:
+    name: str
+    duty: str
+    requires: frozenset[str]
+    body: Body
+
+
+CASES: list[CaseSpec] = []
+
+
+def _case(name: str, duty: str, *requires: str) -> Callable[[Body], Body]:
+    def register(body: Body) -> Body:
+        CASES.append(CaseSpec(name=name, duty=duty, requires=frozenset(requires), body=body))
+        return body
+
+    return register
+
+
+async def _checkpoints(count: int) -> None:
+    for _ in range(count):
+        await checkpoint()
+
+
+# -- allocation ---------------------------------------------------------------------------
+
+
+@_case(
+    "atomic_allocation",
+    "atomic allocation (many tasks acquiring at once never hold more than max_concurrent slots)",
+)
+async def _atomic_allocation(h: Harness) -> None:
+    subject = await h.limiter(max_concurrent=3)
+    rng = random.Random(20260)
+    schedule = [[rng.randrange(4) for _ in range(4)] for _ in range(12)]
+
+    async def worker(holds: list[int]) -> None:
+        for hold in holds:
+            lease = await subject.acquire()
+            await _checkpoints(hold)
+            await subject.release(lease)
+
+    with anyio.move_on_after(h.timing.within * 4) as scope:
+        async with anyio.create_task_group() as tg:
+            for holds in schedule:
+                tg.start_soon(worker, holds)
+    if scope.cancelled_caught:
+        h.fail("12 tasks taking 4 short slots each with max_concurrent=3 did not finish")
+    await h.capacity(subject, after="many tasks acquired and released at once")
+
+
+# -- leases -------------------------------------------------------------------------------
+
+
+@_case(
+    "lease_expiry",
+    "leases expire (a lease not renewed within lease_ttl ends and its slot returns)",
+)
+async def _lease_expiry(h: Harness) -> None:
+    ttl = h.timing.lease_ttl
+    subject = await h.limiter(max_concurrent=1, lease_ttl=ttl)
+    holder = await h.take(subject, what="a free slot was not granted")
+    waiter = h.start(subject, label="waiter")
+    holder.abandon()  # the holder stops renewing, as a crashed process would
+    await waiter.granted(
+        f"a lease not renewed for lease_ttl={ttl:g}s kept its slot: the waiting request "
+        "never got it",
+        within=ttl + h.timing.within,
+    )
+    waiter.abandon()
+    await anyio.sleep(ttl)
+    await h.take(
+        subject,
+        what=f"a lease not renewed for lease_ttl={ttl:g}s kept its slot: a new request "
+        "never got it",
+    )
+
+
+@_case(
+    "lease_renewal",
+    "renewal keeps a lease (renew extends a held lease by lease_ttl and returns it)",
+)
+async def _lease_renewal(h: Harness) -> None:
+    ttl = h.timing.lease_ttl * 5 / 3
+    subject = await h.limiter(max_concurrent=1, lease_ttl=ttl)
+    holder = await h.take(subject, what="a free slot was not granted")
+    waiter = h.start(subject, label="waiter")
+    until = anyio.current_time() + 2 * ttl
+    while anyio.current_time() < until:
+        if await subject.renew(holder.lease) is None:
+            h.fail(
+                f"renew returned None for a held lease renewed every {ttl / 10:g}s "
+                f"with lease_ttl={ttl:g}s"
+            )
+        if waiter.lease is not None:
+            h.fail(
+                f"a lease renewed every {ttl / 10:g}s (lease_ttl={ttl:g}s) lost its slot "
+                "to a waiting request"
+            )
+        await anyio.sleep(ttl / 10)
+    await holder.release()
+    await waiter.granted("the slot of a released lease did not go to the waiting request")
+    await waiter.release()
+
+
+@_case(
+    "idempotent_renew_release",
+    "renew and release are idempotent (repeating them changes nothing)",
+)
+async def _idempotent(h: Harness) -> None:
+    subject = await h.limiter(max_concurrent=2)
+    first = await h.take(subject, what="a free slot was not granted")
+    second = await h.take(subject, what="a second free slot was not granted")
+    lease = first.lease
+    for attempt in ("first", "second"):
+        if await subject.renew(lease) is None:
+            h.fail(f"the {attempt} of two renewals of a held lease returned None")
+    await first.release()
+    try:
+        await subject.limiter.release(lease)
+    except Exception as exc:
+        h.fail(f"releasing a lease a second time raised {exc!r}")
+    try:
+        await subject.limiter.release(subject.lease("conformance-never-issued"))
+    except Exception as exc:
+        h.fail(f"releasing a lease the limiter never issued raised {exc!r}")
+    third = await h.take(subject, what="the slot of a released lease was not granted again")
+    fourth = h.start(subject, label="fourth")
+    await fourth.waits(
+        "after one lease was released twice, a slot beyond max_concurrent=2 was granted: "
+        "the second release freed another holder's slot"
+    )
+    await subject.limiter.release(lease)
+    await fourth.waits(
+        "releasing a lease again while its slot had a new holder freed that holder's slot"
+    )
+    await second.release()
+    await fourth.granted("the slot of a released lease did not go to the waiting request")
+    await third.release()
+    await fourth.release()
+    await h.capacity(subject, after="repeated renewals and releases")
+
+
+@_case(
+    "renew_after_loss",
+    "renew returns None for a lease no longer held (released, expired or never issued)",
+)
+async def _renew_after_loss(h: Harness) -> None:
+    ttl = h.timing.lease_ttl
+    subject = await h.limiter(max_concurrent=1, lease_ttl=ttl)
+    first = await h.take(subject, what="a free slot was not granted")
+    lease = first.lease
+    await first.release()
+    if await subject.renew(lease) is not None:
+        h.fail("renew of a released lease returned a lease")
+    second = await h.take(subject, what="the slot of a released lease was not granted again")
+    if await subject.renew(lease) is not None:
+        h.fail("renew of a released lease returned a lease once its slot had a new holder")
+    expired = second.abandon()
+    waiter = h.start(subject, label="waiter")
+    await waiter.granted(
+        f"a lease not renewed for lease_ttl={ttl:g}s kept its slot",
+        within=ttl + h.timing.within,
+    )
+    if await subject.renew(expired) is not None:
+        h.fail("renew of an expired lease (its slot already given to another) returned a lease")
+    if await subject.renew(subject.lease("conformance-never-issued")) is not None:
+        h.fail("renew of a lease the limiter never issued returned a lease")
+    await waiter.release()
+
+
+@_case("lease_ids_unique", "lease ids are never reused")
+async def _lease_ids_unique(h: Harness) -> None:
+    ttl = h.timing.lease_ttl
+    subject = await h.limiter(max_concurrent=2, lease_ttl=ttl)
+    for _ in range(10):
+        probe = await h.take(subject, what="a free slot was not granted")
+        await probe.release()
+
+    async def worker() -> None:
+        for _ in range(3):
+            lease = await subject.acquire()
+            await checkpoint()
+            await subject.release(lease)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(6):
+            tg.start_soon(worker)
+    holder = await h.take(subject, what="a free slot was not granted")
+    holder.abandon()
+    await anyio.sleep(ttl)
+    after_expiry = await h.take(
+        subject, what="a slot whose lease expired was not granted", within=h.timing.within + ttl
+    )
+    await after_expiry.release()
+    ids = subject.lease_ids
+    reused = sorted({lease_id for lease_id in ids if ids.count(lease_id) > 1})
+    if reused:
+        h.fail(f"{len(ids)} grants used only {len(set(ids))} distinct lease ids: {reused[:5]}")
+    again = await h.limiter(**subject.limits)
+    probe = await h.take(again, what="a limiter created again could not grant a slot")
+    if probe.lease.lease_id in ids:
+        h.fail(
+            f"a limiter created again with the same settings (as after a restart) issued "
+            f"lease id {probe.lease.lease_id!r} again"
+        )
+    await probe.release()
+
+
+# -- cancellation -------------------------------------------------------------------------
+
+
+@_case(
+    "cancel_at_every_await",
+    "acquire is safe to cancel (cancelled at any await point, it leaks no slot)",
+)
+async def _cancel_at_every_await(h: Harness) -> None:
+    subject = await h.limiter(max_concurrent=2)
+    # Uncontended: the fast path, cancelled after k checkpoints or a short real delay (a
+    # backend doing I/O has await points that checkpoints alone do not reach).
+    delays: list[int | float] = [0, 1, 2, 3, 4, 6, 10, 0.0005, 0.002, 0.005, 0.01, 0.02, 0.05]
+    for delay in delays:
+        probe = h.start(subject)
+        if isinstance(delay, int):
+            when = f"{delay} checkpoints"
+            await _checkpoints(delay)
+        else:
+            when = f"{delay}s"
+            await anyio.sleep(delay)
+        probe.cancel()
+        await probe.ends(f"an acquire cancelled after {when} did not end")
+        await probe.release()
+        await h.capacity(subject, after=f"an uncontended acquire was cancelled after {when}")
+    # Contended: every slot held; the waiter is cancelled after k checkpoints while a
+    # holder releases after j, so the cancellation lands before, at and after the grant.
+    # At the same step both orders are tried: a cancellation delivered just before the slot
+    # is handed over reaches the waiter only after it was granted. The last rows wait until
+    # the waiter is queued (k=None), so that moment is certain whatever the scheduler does.
+    steps = (0, 1, 2, 3, 5)
+    grid: list[tuple[int | None, int, bool]] = [
+        (k, j, first)
+        for k in steps
+        for j in steps
+        for first in (False, True)
+        if k == j or not first
+    ]
+    grid += [(None, 0, False), (None, 0, True)]
+    for k, j, cancel_first in grid:
+        held = [await h.take(subject, what="a free slot was not granted") for _ in range(2)]
+        waiter = h.start(subject, label="waiter")
+        if k is None:
+            await h.queued(subject, 1)
+        when = "once queued" if k is None else f"after {k} checkpoints"
+        for step in range(max(k or 0, j) + 1):
+            if step == (k or 0) and cancel_first:
+                waiter.cancel()
+            if step == j:
+                await held[0].release()
+            if step == (k or 0) and not cancel_first:
+                waiter.cancel()
+            await checkpoint()
+        await waiter.ends(f"a waiting acquire cancelled {when} did not end")
+        await waiter.release()
+        await held[1].release()
+        await h.capacity(
+            subject,
+            after=f"a waiter was cancelled {when} while a holder released after {j} "
+            "checkpoints" + (" (cancelled first)" if cancel_first else ""),
+        )
+
+
+@_case(
+    "cancel_woken_waiter",
+    "acquire is safe to cancel (a waiter cancelled as it is woken passes the slot on: no "
+    "lost wake-up, CPython gh-90155)",
+)
+async def _cancel_woken_waiter(h: Harness) -> None:
+    subject = await h.limiter(max_concurrent=1)
+    for others in (0, 1):
+        for release_first in (True, False):
+            for _ in range(2):
+                holder = await h.take(subject, what="a free slot was not granted")
+                woken = h.start(subject, label="woken")
+                await h.queued(subject, 1)
+                later = []
+                if others:
+                    later.append(h.start(subject, label="next"))
+                    await h.queued(subject, 2)
+                if release_first:
+                    await holder.release()
+                    woken.cancel()
+                else:
+                    woken.cancel()
+                    await holder.release()
+                order = "released then cancelled" if release_first else "cancelled then released"
+                await woken.ends(f"the waiter {order} did not end")
+                # An acquire that won before the cancellation landed keeps its slot: legal.
+                await woken.release()
+                for probe in later:
+                    await probe.granted(
+                        f"the only woken waiter was cancelled ({order}) and the next waiter "
+                        "never got the free slot: the wake-up was lost"
+                    )
+                    await probe.release()
+                for _ in range(3):
+                    probe = await h.take(
+                        subject,
+                        what=f"after the only woken waiter was cancelled ({order}), a later "
+                        "acquire got no slot: the wake-up was lost",
+                    )
+                    await probe.release()
+
+
+@_case(
+    "cancel_after_grant",
+    "acquire is safe to cancel (a slot granted as its waiter is cancelled goes back, and a "
+    "slot handed to a waiter is never granted twice, anyio#1170)",
+)
+async def _cancel_after_grant(h: Harness) -> None:
+    subject = await h.limiter(max_concurrent=1)
+    # A newcomer's acquire starts `lead` checkpoints before the holder releases (or just
+    # after, when None), so that for some lead its check for room runs while the slot is
+    # on its way to the waiter: the window in which anyio#1170 granted the slot twice.
+    for cancel_after in (None, 0, 1):
+        for lead in (None, 0, 1, 2, 3):
+            for _ in range(2):
+                holder = await h.take(subject, what="a free slot was not granted")
+                woken = h.start(subject, label="woken")
+                await h.queued(subject, 1)
+                gate = anyio.Event()
+                newcomer = h.start(subject, label="newcomer", gate=gate)
+                if lead is not None:
+                    gate.set()
+                    await _checkpoints(lead)
+                await holder.release()
+                if lead is None:
+                    gate.set()
+                if cancel_after is not None:
+                    await _checkpoints(cancel_after)
+                    woken.cancel()
+                what = (
+                    "a slot was released to a waiter as a new acquire arrived"
+                    if cancel_after is None
+                    else f"a waiter was cancelled {cancel_after} checkpoints after the slot "
+                    "was released to it, as a new acquire arrived"
+                )
+                await h.settle([woken, newcomer], what=what)
+                await h.capacity(subject, after=what)
+
+
+# -- queue bounds -------------------------------------------------------------------------
+
+
+@_case(
+    "queue_full",
+    "queue full (beyond max_queued waiting requests, acquire fails at once with "
+    "ConcurrencyQueueFullError)",
+    "max_queued",
+)
+async def _queue_full(h: Harness) -> None:
+    subject = await h.limiter(max_concurrent=1, max_queued=2)
+    holder = await h.take(subject, what="a free slot was not granted")
+    waiters = [h.start(subject, label="w1")]
+    await h.queued(subject, 1)
+    waiters.append(h.start(subject, label="w2"))
+    await h.queued(subject, 2)
+    extra = h.start(subject, label="w3")
+    await extra.ends("a request beyond max_queued=2 waited instead of failing at once")
+    if not isinstance(extra.error, ConcurrencyQueueFullError):
+        h.fail(
+            "a request beyond max_queued=2 ended with "
+            f"{extra.error or extra.lease!r}, not ConcurrencyQueueFullError",
+            cause=extra.error,
+        )
+    waiters[0].cancel()
+    await waiters[0].ends("a cancelled waiter did not end")
+    replacement = h.start(subject, label="w4")
+    await replacement.waits("a request was granted a slot that another held")
+    await holder.release()
+    await h.settle([waiters[1], replacement], what="the queued requests were not served")
+
+    empty = await h.limiter(max_concurrent=1, max_queued=0)
+    holder = await h.take(empty, what="with max_queued=0, a free slot was not granted")
+    refused = h.start(empty)
+    await refused.ends("with max_queued=0 and no free slot, a request waited")
+    if not isinstance(refused.error, ConcurrencyQueueFullError):
+        h.fail(
+            f"with max_queued=0 and no free slot, a request ended with "
+            f"{refused.error or refused.lease!r}, not ConcurrencyQueueFullError",
+            cause=refused.error,
+        )
+    await holder.release()
+
+
+@_case(
+    "max_wait",
+    "max_wait (a request waits at most its workload's max_wait, then fails with "
+    "ConcurrencyTimeoutError and leaves the queue)",
+    "max_wait",
+)
+async def _max_wait(h: Harness) -> None:
+    max_wait = 2 * h.timing.quiet
+    subject = await h.limiter(max_concurrent=1, workloads={"default": Workload(max_wait=max_wait)})
+    holder = await h.take(subject, what="a free slot was not granted")
+    started = anyio.current_time()
+    waiter = h.start(subject, label="waiter")
+    await waiter.ends(
+        f"a request with max_wait={max_wait:g}s kept waiting",
+        within=max_wait + h.timing.within,
+    )
+    waited = anyio.current_time() - started
+    if not isinstance(waiter.error, ConcurrencyTimeoutError):
+        h.fail(
+            f"a request past max_wait={max_wait:g}s ended with "
+            f"{waiter.error or waiter.lease!r}, not ConcurrencyTimeoutError",
+            cause=waiter.error,
+        )
+    if waited < max_wait / 2:
+        h.fail(f"a request with max_wait={max_wait:g}s gave up after only {waited:.3f}s")
+    await holder.release()
+    again = await h.take(
+        subject,
+        what="after a request timed out, the freed slot did not go to a new request (the "
+        "timed-out request kept its place in the queue)",
+    )
+    patient = h.start(subject, label="patient")
+    await h.queued(subject, 1)
+    await again.release()
+    await patient.granted("a slot freed within max_wait did not go to the waiting request")
+    await patient.release()
+
+    fail_fast = await h.limiter(max_concurrent=1, workloads={"default": Workload(max_wait=0)})
+    holder = await h.take(fail_fast, what="with max_wait=0, a free slot was not granted")
+    refused = h.start(fail_fast)
+    await refused.ends("with max_wait=0 and no free slot, a request waited")
+    if not isinstance(refused.error, ConcurrencyTimeoutError):
+        h.fail(
+            "with max_wait=0 and no free slot, a request ended with "
+            f"{refused.error or refused.lease!r}, not ConcurrencyTimeoutError",
+            cause=refused.error,
+        )
+    await holder.release()
+
+
+@_case(
+    "deadline",
+    "deadline (a request stops waiting at AcquireRequest.deadline with ConcurrencyTimeoutError)",
+    "deadline",
+)
+async def _deadline(h: Harness) -> None:
+    subject = await h.limiter(max_concurrent=1)
+    budget = 2 * h.timing.quiet
+    past = anyio.current_time() - 1.0
+    holder = h.start(subject, deadline=past)
+    await holder.granted("a request whose deadline had passed did not take a free slot")
+    started = anyio.current_time()
+    waiter = h.start(subject, deadline=started + budget, label="waiter")
+    await waiter.ends(
+        f"a request with a deadline {budget:g}s away kept waiting past it",
+        within=budget + h.timing.within,
+    )
+    waited = anyio.current_time() - started
+    if not isinstance(waiter.error, ConcurrencyTimeoutError):
+        h.fail(
+            "a request past its deadline ended with "
+            f"{waiter.error or waiter.lease!r}, not ConcurrencyTimeoutError",
+            cause=waiter.error,
+        )
+    if waited < budget / 2:
+        h.fail(f"a request with a deadline {budget:g}s away gave up after {waited:.3f}s")
+    late = h.start(subject, deadline=past, label="late")
+    await late.ends("a request whose deadline had passed waited for a slot")
+    if not isinstance(late.error, ConcurrencyTimeoutError):
+        h.fail(
+            "a request whose deadline had passed, with no free slot, ended with "
+            f"{late.error or late.lease!r}, not ConcurrencyTimeoutError",
+            cause=late.error,
+        )
+    await holder.release()
+    await h.capacity(subject, after="requests timed out at their deadline")
+
+
+# -- order --------------------------------------------------------------------------------
+
+
+async def _queue_in_order(h: Harness, subject: Subject, workloads: list[str]) -> list[Probe]:
+    probes = []
+    for index, workload in enumerate(workloads):
+        probes.append(h.start(subject, workload, label=f"{workload}{index + 1}"))
+        await h.queued(subject, index + 1)
+    return probes
+
+
+@_case(
+    "arrival_order",
+    "arrival order (within a workload, waiting requests are served first come, first served)",
+)
+async def _arrival_order(h: Harness) -> None:
+    subject = await h.limiter(max_concurrent=1)
+    holder = await h.take(subject, what="a free slot was not granted")
+    probes = await _queue_in_order(h, subject, ["default"] * 5)
+    order = await _serve(h, subject, holder, probes)
+    expected = [probe.label for probe in probes]
+    if order != expected:
+        h.fail(f"requests queued as {expected} were served as {order}")
+
+
+async def _serve(h: Harness, subject: Subject, holder: Probe, probes: list[Probe]) -> list[str]:
+    """Release ``holder``, then each probe as it is granted; return the grant order."""
+    labels = {probe.label: probe for probe in probes}
+    order: list[str] = []
+    current = holder
+    for _ in probes:
+        await current.release()
+        with anyio.move_on_after(h.timing.within):
+            while not any(p.lease is not None for p in labels.values()):
+                await subject.next_grant.wait()
+        granted = [p for p in labels.values() if p.lease is not None]
+        if not granted:
+            h.fail(f"after a release, no waiting request was granted (served so far: {order})")
+        current = granted[0]
+        del labels[current.label]
+        order.append(current.label)
+    await current.release()
+    return order
+
+
+@_case(
+    "priority",
+    "priority (when a slot frees, the highest-priority workload with room is served first; "
+    "priority never interrupts a running request)",
+    "workloads",
+    "priority",
+)
+async def _priority(h: Harness) -> None:
+    subject = await h.limiter(
+        max_concurrent=1,
+        workloads={"low": Workload(priority=0), "high": Workload(priority=10)},
+        default_workload="low",
+    )
+    holder = await h.take(subject, "low", what="a free slot was not granted")
+    probes = await _queue_in_order(h, subject, ["low", "low", "high", "high"])
+    if await subject.renew(holder.lease) is None:
+        h.fail("a running low-priority lease was taken away when high-priority requests queued")
+    order = await _serve(h, subject, holder, probes)
+    if order != ["high3", "high4", "low1", "low2"]:
+        h.fail(
+            "with low1, low2, then high3, high4 (priority 10) queued, requests were served "
+            f"as {order}, not high3, high4, low1, low2"
+        )
+
+
+@_case(
+    "longest_wait_tie_break",
+    "longest-wait tie-break (among workloads of equal priority with room, the request that "
+    "has waited longest is served first)",
+    "workloads",
+)
+async def _tie_break(h: Harness) -> None:
+    subject = await h.limiter(
+        max_concurrent=1, workloads={"x": Workload(), "y": Workload()}, default_workload="x"
+    )
+    holder = await h.take(subject, "x", what="a free slot was not granted")
+    probes = await _queue_in_order(h, subject, ["y", "x", "x", "y", "x"])
+    order = await _serve(h, subject, holder, probes)
+    expected = [probe.label for probe in probes]
+    if order != expected:
+        h.fail(
+            f"requests of two equal-priority workloads queued as {expected} were served as {order}"
+        )
+
+
+@_case(
+    "ceiling_isolation",
+    "a ceiling never blocks another workload (a workload at its own max_concurrent leaves "
+    "free slots to the others, and never exceeds its ceiling)",
+    "workloads",
+)
+async def _ceiling_isolation(h: Harness) -> None:
+    subject = await h.limiter(
+        max_concurrent=3,
+        workloads={"capped": Workload(max_concurrent=1), "open": Workload()},
+        default_workload="open",
+    )
+    capped = await h.take(subject, "capped", what="a free slot was not granted")
+    blocked = h.start(subject, "capped", label="capped2")
+    await h.queued(subject, 1)
+    first = await h.take(
+        subject,
+        "open",
+        what="a request of workload 'open' waited behind 'capped', which was only at its own "
+        "ceiling",
+    )
+    second = await h.take(subject, "open", what="the last free slot was not granted to 'open'")
+    await first.release()
+    third = await h.take(
+        subject,
+        "open",
+        what="a freed slot stayed idle while 'open' waited, because 'capped' (at its ceiling) "
+        "had waited longer",
+    )
+    await capped.release()
+    await blocked.granted("a slot freed under the ceiling did not go to the waiting request")
+    for probe in (blocked, second, third):
+        await probe.release()
+
+    async def worker(workload: str, holds: list[int]) -> None:
+        for hold in holds:
+            lease = await subject.acquire(workload)
+            await _checkpoints(hold)
+            await subject.release(lease)
+
+    rng = random.Random(11)
+    with anyio.move_on_after(h.timing.within * 4) as scope:
+        async with anyio.create_task_group() as tg:
+            for index in range(10):
+                holds = [rng.randrange(4) for _ in range(3)]
+                tg.start_soon(worker, "capped" if index % 2 else "open", holds)
+    if scope.cancelled_caught:
+        h.fail("tasks of a capped and an open workload taking short slots did not finish")
+
+
+@_case(
+    "strict_reservations",
+    "strict reservations (reserved slots stay idle rather than being lent to another workload)",
+    "workloads",
+    "reservations",
+)
+async def _strict_reservations(h: Harness) -> None:
+    subject = await h.limiter(
+        max_concurrent=3,
+        workloads={"reserved": Workload(reserved=1), "other": Workload()},
+        default_workload="other",
+    )
+    others = [await h.take(subject, "other", what="a shared slot was not granted") for _ in "ab"]
+    third = h.start(subject, "other", label="other3")
+    await third.waits(
+        "workload 'other' took the slot reserved for 'reserved' while it was idle "
+        "(reserved=1 of max_concurrent=3)"
+    )
+    reserved = await h.take(
+        subject, "reserved", what="the reserved slot was not available to its own workload"
+    )
+    second_reserved = h.start(subject, "reserved", label="reserved2")
+    await second_reserved.waits("workload 'reserved' got a slot beyond the limiter's capacity")
+    await reserved.release()
+    await second_reserved.granted("the reserved slot did not go back to its own workload")
+    await third.waits(
+        "a freed reserved slot went to workload 'other' (reserved=1 of max_concurrent=3)"
+    )
+    await others[0].release()
+    await third.granted("a freed shared slot did not go to the waiting request")
+    for probe in (others[1], second_reserved, third):
+        await probe.release()
+
+
+# -- stats and settings -------------------------------------------------------------------
+
+
+@_case(
+    "stats_consistent",
+    "stats are consistent with grants (active and queued, in total and per workload)",
+    "stats",
+)
+async def _stats_consistent(h: Harness) -> None:
+    several = h.supports("workloads")
+    names = ["a", "b"] if several else ["default"]
+    limits: dict[str, Any] = {"max_concurrent": 2}
+    if several:
+        limits.update(workloads={"a": Workload(), "b": Workload()}, default_workload="a")
+    subject = await h.limiter(**limits)
+    if not callable(getattr(subject.limiter, "stats", None)):
+        h.fail("the limiter has no stats(); declare skip={'stats': ...} if it offers none")
+
+    async def expect(
+        subject: Subject, active: dict[str, int], queued: dict[str, int], when: str
+    ) -> None:
+        names = list(active)
+        want = (sum(active.values()), sum(queued.values()), active, queued)
+        seen: Any = None
+        with anyio.move_on_after(h.timing.within):
+            while True:
+                stats = await subject.limiter.stats()
+                per = getattr(stats, "workloads", {}) or {}
+                seen = (
+                    stats.active,
+                    stats.queued,
+                    {name: per[name].active if name in per else None for name in names},
+                    {name: per[name].queued if name in per else None for name in names},
+                )
+                if seen == want:
+                    return
+                await anyio.sleep(0.005)
+        h.fail(
+            f"{when}: stats() said active={seen[0]} {seen[2]}, queued={seen[1]} {seen[3]}; "
+            f"expected active={want[0]} {want[2]}, queued={want[1]} {want[3]}"
+        )
+
+    zero = dict.fromkeys(names, 0)
+    await expect(subject, zero, zero, "before any request")
+    a1 = await h.take(subject, names[0], what="a free slot was not granted")
+    b1 = await h.take(subject, names[-1], what="a free slot was not granted")
+    held = {**zero, names[0]: 1}
+    held[names[-1]] += 1
+    await expect(subject, held, zero, "with two slots held")
+    a2 = h.start(subject, names[0], label="a2")
+    await expect(
+        subject, held, {**zero, names[0]: 1}, "with two slots held and one request waiting"
+    )
+    await b1.release()
+    await a2.granted("a released slot did not go to the waiting request")
+    await expect(
+        subject, {**zero, names[0]: 2}, zero, "after a release handed a slot to the waiter"
+    )
+    b2 = h.start(subject, names[-1], label="b2")
+    await expect(subject, {**zero, names[0]: 2}, {**zero, names[-1]: 1}, "with a request waiting")
+    b2.cancel()
+    await b2.ends("a cancelled waiter did not end")
+    await b2.release()
+    await expect(subject, {**zero, names[0]: 2}, zero, "after the only waiter was cancelled")
+    await a1.release()
+    await a2.release()
+    await expect(subject, zero, zero, "after every slot was released")
+
+    ttl = h.timing.lease_ttl
+    expiring = await h.limiter(max_concurrent=1, lease_ttl=ttl)
+    zero = {"default": 0}
+    probe = await h.take(expiring, what="a free slot was not granted")
+    probe.abandon()
+    await anyio.sleep(ttl)
+    await expect(
+        expiring, zero, zero, f"after the only lease went unrenewed past lease_ttl={ttl:g}s"
+    )
+
+
+@_case(
+    "invalid_limits",
+    "invalid limits are rejected (ConcurrencyConfigError naming the setting)",
+)
+async def _invalid_limits(h: Harness) -> None:
+    for value in (0, -1, 2.5):
+        await h.rejects(
+            {"max_concurrent": value},
+            setting="max_concurrent",
+            why="a non-positive or non-integer max_concurrent",
+        )
+    for value in (0, -1.0):
+        await h.rejects(
+            {"max_concurrent": 2, "lease_ttl": value},
+            setting="lease_ttl",
+            why="a lease_ttl that is not positive",
+        )
+    await h.rejects({"max_concurrent": 2, "name": ""}, setting="name", why="an empty name")
+    if h.supports("max_queued"):
+        await h.rejects(
+            {"max_concurrent": 2, "max_queued": -1},
+            setting="max_queued",
+            why="a negative max_queued",
+        )
+    if h.supports("max_wait"):
+        await h.rejects(
+            {"max_concurrent": 2, "workloads": {"default": Workload(max_wait=-1.0)}},
+            setting="max_wait",
+            why="a negative max_wait",
+        )
+
+
+@_case(
+    "invalid_workloads",
+    "invalid workloads are rejected (ConcurrencyConfigError naming the setting)",
+    "workloads",
+)
+async def _invalid_workloads(h: Harness) -> None:
+    await h.rejects(
+        {"max_concurrent": 2, "workloads": {"a": Workload(max_concurrent=3)}},
+        setting="max_concurrent",
+        why="a workload ceiling above the limiter's max_concurrent",
+    )
+    await h.rejects(
+        {"max_concurrent": 2, "workloads": {"a": Workload(max_concurrent=0)}},
+        setting="max_concurrent",
+        why="a workload ceiling of 0",
+    )
+    await h.rejects(
+        {
+            "max_concurrent": 2,
+            "workloads": {"a": Workload(), "b": Workload()},
+            "default_workload": "missing",
+        },
+        setting="default_workload",
+        why="a default_workload that is not one of the workloads",
+    )
+    if h.supports("reservations"):
+        await h.rejects(
+            {
+                "max_concurrent": 2,
+                "workloads": {"a": Workload(reserved=2), "b": Workload(reserved=1)},
+            },
+            setting="reserve",
+            why="reservations that sum past max_concurrent",
+        )
+        await h.rejects(
+            {"max_concurrent": 4, "workloads": {"a": Workload(max_concurrent=1, reserved=2)}},
+            setting="reserved",
+            why="a reservation above its workload's ceiling",
+        )
+
+
+# -- the runtime ----------------------------------------------------------------------------
+
+
+@_case(
+    "slot_lifecycle",
+    "the limiter backs slotwise.slot (a slot taken through the runtime holds a lease and "
+    "gives it back)",
+)
+async def _slot_lifecycle(h: Harness) -> None:
+    subject = await h.limiter(max_concurrent=1)
+    async with runtime_slot(limiter=subject.limiter) as held:
+        if not isinstance(held.lease_id, str):
+            h.fail(f"slotwise.slot held {held!r}, without a lease id")
+        other = h.start(subject, label="other")
+        await other.waits("a slot held through slotwise.slot was granted to another request")
+    await other.granted("the slot released by slotwise.slot did not go to the waiting request")
+    await other.release()
+    handle = await runtime_acquire(limiter=subject.limiter)
+
+    async def release_elsewhere() -> None:
+        await handle.release()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(release_elsewhere)
+    await h.capacity(subject, after="a slot was released by another task")
