@@ -60,7 +60,7 @@ class MemoryLimiter(Generic[W]):
     (or key ``workloads`` by a ``StrEnum``) and ``slot(workload="typo")`` is a type error.
     """
 
-    __slots__ = ("__weakref__", "_settings", "_state", "_watcher")
+    __slots__ = ("__weakref__", "_settings", "_state", "_watch_until", "_watcher")
 
     @overload
     def __init__(
@@ -112,6 +112,7 @@ class MemoryLimiter(Generic[W]):
         # One waiter at a time watches the clock for leases that expire unrenewed, so a
         # dead holder's slot is handed on without a background task or a herd of timers.
         self._watcher: Ticket | None = None
+        self._watch_until = math.inf  # when the sleeping watcher's alarm rings
 
     # -- settings -------------------------------------------------------------------------
 
@@ -198,6 +199,7 @@ class MemoryLimiter(Generic[W]):
         ticket, swept = state.submit(workload, now)
         self._wake(swept)
         if ticket.lease is not None:
+            self._granted(ticket)
             return self._lease(ticket)
         deadline = request.deadline if request.deadline is not None else math.inf
         max_wait = self._settings.workloads[workload].max_wait
@@ -210,6 +212,7 @@ class MemoryLimiter(Generic[W]):
                 wake_at = deadline
                 if self._watcher is ticket:
                     wake_at = min(wake_at, state.next_expiry() or math.inf)
+                    self._watch_until = wake_at
                 ticket.waker = anyio.Event()
                 with anyio.CancelScope(deadline=wake_at):
                     await ticket.waker.wait()
@@ -256,11 +259,24 @@ class MemoryLimiter(Generic[W]):
             lease_id=record.lease_id, workload=record.workload, expires_at=record.expires_at
         )
 
-    @staticmethod
-    def _wake(granted: list[Ticket]) -> None:
+    def _wake(self, granted: list[Ticket]) -> None:
         for ticket in granted:
             if ticket.waker is not None:
                 ticket.waker.set()
+            self._granted(ticket)
+
+    def _granted(self, ticket: Ticket) -> None:
+        # A new lease may expire before the watcher's alarm (which is infinite when it fell
+        # asleep with no lease at all): wake it so it re-arms for the earlier expiry.
+        watcher = self._watcher
+        if (
+            watcher is not None
+            and ticket.lease is not None
+            and ticket.lease.expires_at < self._watch_until
+            and watcher.waker is not None
+        ):
+            self._watch_until = ticket.lease.expires_at
+            watcher.waker.set()
 
     def _leave(self, ticket: Ticket) -> None:
         self._wake(self._state.withdraw(ticket, current_time()))
