@@ -49,13 +49,22 @@ def shared_in_use(rules: Rules, active: Mapping[str, int]) -> int:
     )
 
 
-def has_room(rules: Rules, active: Mapping[str, int], workload: str) -> bool:
-    """Whether one more slot of ``workload`` may be granted now."""
+def has_room(
+    rules: Rules, active: Mapping[str, int], workload: str, shared_used: int | None = None
+) -> bool:
+    """Whether one more slot of ``workload`` may be granted now.
+
+    ``shared_used`` is ``shared_in_use(rules, active)`` when the caller keeps it up to date.
+    """
     rule = rules.workloads[workload]
     held = active.get(workload, 0)
     if held >= rule.ceiling:
         return False
-    return held < rule.reserved or shared_in_use(rules, active) < rules.shared
+    if held < rule.reserved:
+        return True
+    if shared_used is None:
+        shared_used = shared_in_use(rules, active)
+    return shared_used < rules.shared
 
 
 _EMPTY: Any = object()
@@ -82,6 +91,7 @@ def allocate(
     with waiters has room. The result satisfies "no waiter while its workload has room".
     """
     counts = dict(active)
+    shared_used = shared_in_use(rules, counts)
     cursors: dict[str, Iterator[E]] = {}
     heads: dict[str, E] = {}
     for name, queue in queues.items():
@@ -95,7 +105,7 @@ def allocate(
         best: str | None = None
         best_key: tuple[int, Any] | None = None
         for name, head in heads.items():
-            if not has_room(rules, counts, name):
+            if not has_room(rules, counts, name, shared_used):
                 continue
             priority = rules.workloads[name].priority
             if (
@@ -107,7 +117,10 @@ def allocate(
         if best is None:
             break
         grants.append(heads[best])
-        counts[best] = counts.get(best, 0) + 1
+        held = counts.get(best, 0)
+        if held >= rules.workloads[best].reserved:
+            shared_used += 1
+        counts[best] = held + 1
         following = next(cursors[best], _EMPTY)
         if following is _EMPTY:
             del heads[best]

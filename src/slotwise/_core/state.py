@@ -58,6 +58,7 @@ class LimiterState:
         self.active: dict[str, int] = dict.fromkeys(rules.workloads, 0)
         self.leases: dict[str, LeaseRecord] = {}
         self.queued = 0
+        self.shared_used = 0  # shared_in_use(rules, active), kept up to date
         # (expires_at, lease_id); stale entries (renewed or released leases) are skipped.
         self._expiries: list[tuple[float, str]] = []
         self._seq = itertools.count()
@@ -78,7 +79,9 @@ class LimiterState:
         ticket = Ticket(seq=next(self._seq), workload=workload, enqueued_at=now)
         # Fast path of `allocate`: an empty queue means every earlier waiter belongs to a
         # workload without room, so this request goes first iff its own workload has room.
-        if not self.queues[workload] and has_room(self.rules, self.active, workload):
+        if not self.queues[workload] and has_room(
+            self.rules, self.active, workload, self.shared_used
+        ):
             self._grant(ticket, now)
             return ticket, swept
         if self.max_queued is not None and self.queued >= self.max_queued:
@@ -105,7 +108,7 @@ class LimiterState:
         record = self.leases.pop(lease_id, None)
         if record is None:
             return []
-        self.active[record.workload] -= 1
+        self._drop(record)
         return self._allocate(now)
 
     def renew(self, lease_id: str, now: float) -> LeaseRecord | None:
@@ -125,7 +128,7 @@ class LimiterState:
             record = self.leases.get(lease_id)
             if record is not None and record.expires_at == expires_at:
                 del self.leases[lease_id]
-                self.active[record.workload] -= 1
+                self._drop(record)
                 expired = True
         return self._allocate(now) if expired else []
 
@@ -147,9 +150,18 @@ class LimiterState:
             lease_id=lease_id, workload=ticket.workload, expires_at=now + self.lease_ttl
         )
         self.leases[lease_id] = record
-        self.active[ticket.workload] += 1
+        held = self.active[ticket.workload]
+        if held >= self.rules.workloads[ticket.workload].reserved:
+            self.shared_used += 1
+        self.active[ticket.workload] = held + 1
         heapq.heappush(self._expiries, (record.expires_at, lease_id))
         ticket.lease = record
+
+    def _drop(self, record: LeaseRecord) -> None:
+        held = self.active[record.workload] - 1
+        self.active[record.workload] = held
+        if held >= self.rules.workloads[record.workload].reserved:
+            self.shared_used -= 1
 
     def _allocate(self, now: float) -> list[Ticket]:
         if not self.queued:
