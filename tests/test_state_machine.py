@@ -41,16 +41,20 @@ STEPS = st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 10.0])
 
 @st.composite
 def limits(draw: st.DrawFn) -> Rules:
-    """Random valid limits: 1-4 workloads, ``max_concurrent`` 1-8."""
-    total = draw(st.integers(1, 8))
-    count = draw(st.integers(1, 4))
+    """Random valid limits: 1-4 workloads, ``max_concurrent`` 1-8.
+
+    The draws lean towards what makes waiters compete: small limits that fill up soon, the
+    default settings (no ceiling of its own, nothing reserved) and equal priorities.
+    """
+    total = draw(st.sampled_from([1, 2, 3, 3, 4, 4, 6, 8]))
+    count = draw(st.sampled_from([1, 2, 2, 3, 4]))
     unreserved = total
     workloads: dict[str, WorkloadRule] = {}
     for name in NAMES[:count]:
-        ceiling = draw(st.integers(1, total))
-        reserved = draw(st.integers(0, min(ceiling, unreserved)))
+        ceiling = draw(st.just(total) | st.integers(1, total))
+        reserved = draw(st.just(0) | st.integers(0, min(ceiling, unreserved)))
         unreserved -= reserved
-        priority = draw(st.integers(0, 3))
+        priority = draw(st.sampled_from([0, 0, 1, 2]))
         workloads[name] = WorkloadRule(ceiling=ceiling, reserved=reserved, priority=priority)
     return Rules(max_concurrent=total, workloads=workloads)
 
@@ -59,9 +63,7 @@ def has_room(rules: Rules, active: Mapping[str, int], workload: str) -> bool:
     """API.md: a_w < c_w and (a_w < r_w or sum_v max(0, a_v - r_v) < S)."""
     rule = rules.workloads[workload]
     a_w = active[workload]
-    beyond_reservations = sum(
-        max(0, active[v] - r.reserved) for v, r in rules.workloads.items()
-    )
+    beyond_reservations = sum(max(0, active[v] - r.reserved) for v, r in rules.workloads.items())
     shared = rules.max_concurrent - sum(r.reserved for r in rules.workloads.values())
     return a_w < rule.ceiling and (a_w < rule.reserved or beyond_reservations < shared)
 
@@ -88,7 +90,7 @@ class LimiterStateMachine(RuleBasedStateMachine):
         super().__init__()
         self.now = 0.0
         self.arrivals = 0
-        self.rules = Rules(max_concurrent=1, workloads={})
+        self.config = Rules(max_concurrent=1, workloads={})
         self.state: LimiterState
         self.ttl = 1.0
         self.max_queued: int | None = None
@@ -104,7 +106,7 @@ class LimiterStateMachine(RuleBasedStateMachine):
         ttl=st.sampled_from([0.5, 1.0, 2.0, 5.0]),
     )
     def setup(self, rules: Rules, max_queued: int | None, ttl: float) -> None:
-        self.rules = rules
+        self.config = rules
         self.max_queued = max_queued
         self.ttl = ttl
         self.state = LimiterState(rules, max_queued=max_queued, lease_ttl=ttl)
@@ -113,7 +115,7 @@ class LimiterStateMachine(RuleBasedStateMachine):
     # -- model helpers ------------------------------------------------------------------
 
     def active(self) -> dict[str, int]:
-        counts = dict.fromkeys(self.rules.workloads, 0)
+        counts = dict.fromkeys(self.config.workloads, 0)
         for lease in self.held.values():
             counts[lease.workload] += 1
         return counts
@@ -136,13 +138,13 @@ class LimiterStateMachine(RuleBasedStateMachine):
             assert queue, f"granted {ticket} but nothing of {workload!r} waits"
             head = queue[0]
             assert head.ticket is ticket, "within a workload, arrival order"
-            assert has_room(self.rules, active, workload), f"{workload!r} had no room"
-            priority = self.rules.workloads[workload].priority
+            assert has_room(self.config, active, workload), f"{workload!r} had no room"
+            priority = self.config.workloads[workload].priority
             for other, other_queue in self.queues.items():
-                if other == workload or not other_queue or not has_room(self.rules, active, other):
+                if other == workload or not other_queue or not has_room(self.config, active, other):
                     continue
                 rival = other_queue[0]
-                rival_priority = self.rules.workloads[other].priority
+                rival_priority = self.config.workloads[other].priority
                 assert rival_priority <= priority, (
                     f"{workload!r} (priority {priority}) went before {other!r} "
                     f"(priority {rival_priority})"
@@ -168,19 +170,26 @@ class LimiterStateMachine(RuleBasedStateMachine):
     def check_no_idle_room(self) -> None:
         active = self.active()
         for workload, queue in self.queues.items():
-            assert not (queue and has_room(self.rules, active, workload)), (
+            assert not (queue and has_room(self.config, active, workload)), (
                 f"{len(queue)} request(s) of {workload!r} wait beside room"
             )
 
-    def pick(self, items: list[str], index: int) -> str | None:
-        return items[index % len(items)] if items else None
+    def pick(self, index: int, stale: int) -> str:
+        """A held lease id; with ``stale == 0`` any id ever issued, or one never issued."""
+        held = sorted(self.held)
+        ids = held if held and stale else [*sorted(self.issued), "no-such-lease"]
+        return ids[index % len(ids)]
 
     # -- operations ---------------------------------------------------------------------
 
-    @rule(workload=st.sampled_from(NAMES))
+    @rule(workload=st.sampled_from(NAMES), count=st.integers(1, 4))
+    def submit_several(self, workload: str, count: int) -> None:
+        """A burst of requests, so that queues grow and releases have waiters to serve."""
+        workloads = list(self.config.workloads)
+        for _ in range(count):
+            self.submit(workloads[NAMES.index(workload) % len(workloads)])
+
     def submit(self, workload: str) -> None:
-        workloads = list(self.rules.workloads)
-        workload = workloads[NAMES.index(workload) % len(workloads)]
         if any(lease.expires_at <= self.now for lease in self.held.values()):
             self.sweep()
             sweeps = True
@@ -194,7 +203,7 @@ class LimiterStateMachine(RuleBasedStateMachine):
             assert not newly, f"{len(newly)} request(s) granted by a sweep were not reported"
             assert self.max_queued is not None
             assert sum(map(len, self.queues.values())) >= self.max_queued
-            assert self.queues[workload] or not has_room(self.rules, self.active(), workload)
+            assert self.queues[workload] or not has_room(self.config, self.active(), workload)
             return
         assert sweeps or not swept
         self.check_grants(swept)
@@ -202,10 +211,10 @@ class LimiterStateMachine(RuleBasedStateMachine):
         self.arrivals += 1
         if ticket.lease is not None:
             assert not self.queues[workload], "a newcomer went before earlier waiters"
-            assert has_room(self.rules, self.active(), workload)
+            assert has_room(self.config, self.active(), workload)
             self.admit(ticket)
         else:
-            assert self.queues[workload] or not has_room(self.rules, self.active(), workload)
+            assert self.queues[workload] or not has_room(self.config, self.active(), workload)
             if self.max_queued is not None:
                 assert sum(map(len, self.queues.values())) < self.max_queued
             self.queues[workload].append(
@@ -213,11 +222,15 @@ class LimiterStateMachine(RuleBasedStateMachine):
             )
         self.check_no_idle_room()
 
-    @rule(index=st.integers(0, 1000))
-    def withdraw(self, index: int) -> None:
-        if not self.tickets:
+    @rule(index=st.integers(0, 1000), stale=st.integers(0, 3))
+    def withdraw(self, index: int, stale: int) -> None:
+        """Take back a waiting or granted request (one time in four, any request ever made:
+        withdrawing twice, or after release, does nothing)."""
+        live = [t for t in self.tickets if t.lease is None or t.lease.lease_id in self.held]
+        tickets = live if live and stale else self.tickets
+        if not tickets:
             return
-        ticket = self.tickets[index % len(self.tickets)]
+        ticket = tickets[index % len(tickets)]
         waiting = [w for w in self.queues[ticket.workload] if w.ticket is ticket]
         if waiting:
             self.queues[ticket.workload].remove(waiting[0])
@@ -228,20 +241,16 @@ class LimiterStateMachine(RuleBasedStateMachine):
             assert granted == [], "withdrawing a waiter frees no capacity"
         self.check_grants(granted)
 
-    @rule(index=st.integers(0, 1000), bogus=st.booleans())
-    def release(self, index: int, bogus: bool) -> None:
-        # Any lease ever issued: held, already released (double release) or expired (stale).
-        lease_id = self.pick(sorted(self.issued), index)
-        if bogus or lease_id is None:
-            lease_id = "no-such-lease"
+    @rule(index=st.integers(0, 1000), stale=st.integers(0, 3))
+    def release(self, index: int, stale: int) -> None:
+        """Release a held lease (one time in four, any lease id: double or stale release)."""
+        lease_id = self.pick(index, stale)
         self.held.pop(lease_id, None)
         self.check_grants(self.state.release(lease_id, self.now))
 
-    @rule(index=st.integers(0, 1000), bogus=st.booleans())
-    def renew(self, index: int, bogus: bool) -> None:
-        lease_id = self.pick(sorted(self.issued), index)
-        if bogus or lease_id is None:
-            lease_id = "no-such-lease"
+    @rule(index=st.integers(0, 1000), stale=st.integers(0, 3))
+    def renew(self, index: int, stale: int) -> None:
+        lease_id = self.pick(index, stale)
         held = self.held.get(lease_id)
         record = self.state.renew(lease_id, self.now)
         if held is None or held.expires_at <= self.now:
@@ -290,23 +299,27 @@ class LimiterStateMachine(RuleBasedStateMachine):
         if not hasattr(self, "state"):
             return
         held = self.active()
-        valid = dict.fromkeys(self.rules.workloads, 0)
+        valid = dict.fromkeys(self.config.workloads, 0)
         for lease in self.held.values():
             if lease.expires_at > self.now:
                 valid[lease.workload] += 1
         for counts in (held, valid):
-            assert sum(counts.values()) <= self.rules.max_concurrent
-            for workload, rule in self.rules.workloads.items():
-                assert counts[workload] <= rule.ceiling
+            assert sum(counts.values()) <= self.config.max_concurrent
+            for workload, limit in self.config.workloads.items():
+                assert counts[workload] <= limit.ceiling
 
     @invariant()
     def reservations_are_never_lent(self) -> None:
         if not hasattr(self, "state"):
             return
         active = self.active()
-        shared = self.rules.max_concurrent - sum(r.reserved for r in self.rules.workloads.values())
-        lent = sum(max(0, active[w] - r.reserved) for w, r in self.rules.workloads.items())
+        shared = self.config.max_concurrent - sum(
+            r.reserved for r in self.config.workloads.values()
+        )
+        lent = sum(max(0, active[w] - r.reserved) for w, r in self.config.workloads.items())
         assert lent <= shared
+        # The state keeps this sum as a running count; it must never drift.
+        assert self.state.shared_used == lent
 
     @invariant()
     def max_queued_is_respected(self) -> None:
@@ -316,8 +329,8 @@ class LimiterStateMachine(RuleBasedStateMachine):
 
 
 LimiterStateMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=40,
+    max_examples=200,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -340,7 +353,9 @@ def seed_state(*, max_queued: int | None = None) -> LimiterState:
 
 def test_an_unrenewed_lease_expires_and_its_slot_goes_to_the_next_waiter() -> None:
     state = LimiterState(
-        Rules(max_concurrent=1, workloads={"default": WorkloadRule(ceiling=1, reserved=0, priority=0)}),
+        Rules(
+            max_concurrent=1, workloads={"default": WorkloadRule(ceiling=1, reserved=0, priority=0)}
+        ),
         max_queued=None,
         lease_ttl=5.0,
     )

@@ -8,9 +8,7 @@ Example:
     ...         ...  # one provider request, streaming included
 """
 
-from __future__ import annotations
-
-import contextlib
+from contextlib import suppress as _suppress
 
 from ._config import Workload as Workload
 from ._errors import ConcurrencyConfigError as ConcurrencyConfigError
@@ -93,7 +91,7 @@ __all__ = (
 # Public classes say `slotwise.X` in reprs, tracebacks and docs, wherever they are defined.
 for _name in __all__:
     _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith("slotwise._"):
-        with contextlib.suppress(AttributeError, TypeError):
+    if getattr(_obj, "__module__", "").startswith("slotwise."):
+        with _suppress(AttributeError, TypeError):
             _obj.__module__ = __name__
 del _name, _obj
