@@ -1,0 +1,325 @@
+"""PostgresLimiter under load: database transactions, grant latency, throughput.
+
+    python benchmarks/postgres_load.py [--dsn postgresql://postgres@127.0.0.1:5432/test]
+
+Runs in a database of its own (``slotwise_bench``, created if missing) so that the server's
+transaction counters count this benchmark alone. Three measurements, each against the
+reference design in the same run (``seed``: every waiting request runs its own allocation
+transaction every ``poll_interval``, no notifications):
+
+1. idle queue: 200 waiting requests in 4 processes, every slot held, poll_interval 100 ms:
+   committed transactions per second, and CPU (clients and server backends, in cores);
+2. grant latency after a release: two processes hand one slot back and forth; the time
+   from the start of ``release()`` in one to ``acquire()`` returning in the other;
+3. throughput: 4 processes x 50 tasks take and release slots of an 8-slot limiter as fast
+   as they can, with durable and with asynchronous commits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from functools import partial
+from typing import Any
+
+import anyio
+import psycopg
+
+from slotwise import AcquireRequest
+from slotwise.postgres import PostgresLimiter
+
+BENCH_DB = "slotwise_bench"
+
+
+# -- the reference design: one allocation transaction per waiter per poll ------------------
+
+
+async def seed_acquire(limiter: PostgresLimiter[Any], request: AcquireRequest) -> Any:
+    """Acquire as the reference implementation does: each waiter polls on its own."""
+    import uuid
+
+    entry_id = str(uuid.uuid4())
+    cycle = await limiter._run(
+        partial(limiter._cycle, enqueue=(entry_id, request.workload, "r", 3600.0), asked=[entry_id])
+    )
+    beat = anyio.current_time()
+    while entry_id not in cycle.granted:
+        await anyio.sleep(limiter.poll_interval)
+        heartbeat = anyio.current_time() - beat > limiter.queue_entry_ttl / 3
+        if heartbeat:
+            beat = anyio.current_time()
+        cycle = await limiter._run(partial(limiter._cycle, asked=[entry_id], heartbeat=heartbeat))
+    return cycle.granted[entry_id]
+
+
+# -- worker processes ---------------------------------------------------------------------
+
+
+def limiter_for(spec: dict[str, Any]) -> PostgresLimiter[Any]:
+    return PostgresLimiter(
+        spec["dsn"],
+        name=spec["name"],
+        schema="bench",
+        max_concurrent=spec["max_concurrent"],
+        poll_interval=spec.get("poll_interval", 0.1),
+        listen=spec["design"] == "notify",
+        synchronous_commit=spec.get("synchronous_commit", True),
+    )
+
+
+async def acquire(limiter: PostgresLimiter[Any], design: str) -> Any:
+    request = AcquireRequest(workload="default", request_id="r")
+    if design == "seed":
+        return await seed_acquire(limiter, request)
+    return await limiter.acquire(request)
+
+
+async def worker_wait(spec: dict[str, Any]) -> None:
+    """Queue ``waiters`` requests that never get a slot, for ``seconds``."""
+    async with limiter_for(spec) as limiter:
+        with anyio.move_on_after(spec["seconds"]):
+            async with anyio.create_task_group() as tg:
+                for _ in range(spec["waiters"]):
+                    tg.start_soon(acquire, limiter, spec["design"])
+    print(json.dumps({}))
+
+
+async def worker_pingpong(spec: dict[str, Any]) -> None:
+    """Take the single slot, hold it briefly, release it; log release and grant times."""
+    log: list[tuple[str, float]] = []
+    async with limiter_for(spec) as limiter:
+        for _ in range(spec["rounds"]):
+            lease = await acquire(limiter, spec["design"])
+            log.append(("got", time.time()))
+            await anyio.sleep(0.01)  # long enough for the other process to queue
+            log.append(("rel", time.time()))
+            await limiter.release(lease)
+            await anyio.sleep(0.002)
+    print(json.dumps(log))
+
+
+async def worker_throughput(spec: dict[str, Any]) -> None:
+    """Take and release slots as fast as possible for ``seconds``; print the count."""
+    count = 0
+    async with limiter_for(spec) as limiter:
+        deadline = anyio.current_time() + spec["seconds"]
+
+        async def loop() -> None:
+            nonlocal count
+            while anyio.current_time() < deadline:
+                lease = await acquire(limiter, spec["design"])
+                count += 1
+                await limiter.release(lease)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(spec["tasks"]):
+                tg.start_soon(loop)
+    print(json.dumps(count))
+
+
+WORKERS = {"wait": worker_wait, "pingpong": worker_pingpong, "throughput": worker_throughput}
+
+
+# -- the driver -----------------------------------------------------------------------------
+
+
+def spawn(spec: dict[str, Any]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, __file__, "--worker", json.dumps(spec)], stdout=subprocess.PIPE, text=True
+    )
+
+
+def results(procs: list[subprocess.Popen[str]]) -> list[Any]:
+    out = []
+    for proc in procs:
+        stdout, _ = proc.communicate()
+        assert proc.returncode == 0, f"worker failed: {proc.returncode}"
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def commits(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
+            [BENCH_DB],
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def backend_cpu(dsn: str) -> float:
+    """CPU seconds used so far by the server processes serving the benchmark database."""
+    total = 0.0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        pids = [
+            r[0]
+            for r in conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s", [BENCH_DB])
+        ]
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def prepare(admin_dsn: str) -> str:
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [BENCH_DB]).fetchone():
+            pass
+        else:
+            conn.execute(f'CREATE DATABASE "{BENCH_DB}"')
+    dsn = psycopg.conninfo.make_conninfo(admin_dsn, dbname=BENCH_DB)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute('DROP SCHEMA IF EXISTS "bench" CASCADE')
+    return dsn
+
+
+async def hold_all(dsn: str, name: str, slots: int) -> tuple[PostgresLimiter[Any], list[Any]]:
+    holder: PostgresLimiter[Any] = PostgresLimiter(
+        dsn, name=name, schema="bench", max_concurrent=slots, lease_ttl=600
+    )
+    await holder.start()
+    leases = [
+        await holder.acquire(AcquireRequest(workload="default", request_id="h"))
+        for _ in range(slots)
+    ]
+    return holder, leases
+
+
+async def idle_queue(
+    dsn: str, design: str, durable: bool, seconds: float = 8.0
+) -> dict[str, float]:
+    name = f"idle-{design}-{durable}"
+    holder, leases = await hold_all(dsn, name, 4)
+    spec = {
+        "kind": "wait",
+        "dsn": dsn,
+        "name": name,
+        "max_concurrent": 4,
+        "design": design,
+        "waiters": 50,
+        "synchronous_commit": durable,
+        "seconds": seconds + 4,
+        "poll_interval": 0.1,
+    }
+    usage0 = os.times()
+    procs = [spawn(spec) for _ in range(4)]
+    with anyio.fail_after(60):  # start-up and queueing: measure only the steady state
+        for _ in itertools.count():
+            if (await holder.stats()).queued >= 200:
+                break
+            await anyio.sleep(0.2)
+    await anyio.sleep(0.5)
+    c0, b0, t0 = commits(dsn), backend_cpu(dsn), time.monotonic()
+    await anyio.sleep(seconds)
+    c1, b1, t1 = commits(dsn), backend_cpu(dsn), time.monotonic()
+    await anyio.to_thread.run_sync(results, procs)
+    usage1 = os.times()
+    for lease in leases:
+        await holder.release(lease)
+    await holder.aclose()
+    client = (
+        usage1.children_user
+        + usage1.children_system
+        - usage0.children_user
+        - usage0.children_system
+    )
+    return {
+        "transactions_per_s": (c1 - c0) / (t1 - t0),
+        "server_cpu_cores": (b1 - b0) / (t1 - t0),
+        # clients ran for about seconds + 4 s (start-up included): an upper bound
+        "client_cpu_cores": client / (seconds + 4),
+    }
+
+
+async def latency(dsn: str, design: str, durable: bool, rounds: int = 200) -> dict[str, float]:
+    spec = {
+        "kind": "pingpong",
+        "dsn": dsn,
+        "name": f"latency-{design}-{durable}",
+        "synchronous_commit": durable,
+        "max_concurrent": 1,
+        "design": design,
+        "rounds": rounds,
+        "poll_interval": 0.1,
+    }
+    procs = [spawn(spec) for _ in range(2)]
+    logs = await anyio.to_thread.run_sync(results, procs)
+    events = sorted((t, kind, who) for who, log in enumerate(logs) for kind, t in log)
+    waits: list[float] = []
+    last_release: tuple[float, int] | None = None
+    for t, kind, who in events:
+        if kind == "rel":
+            last_release = (t, who)
+        elif last_release is not None and last_release[1] != who:
+            waits.append((t - last_release[0]) * 1000)
+            last_release = None
+    waits.sort()
+    return {
+        "handoffs": len(waits),
+        "p50_ms": statistics.median(waits),
+        "p99_ms": waits[min(len(waits) - 1, int(len(waits) * 0.99))],
+    }
+
+
+async def throughput(dsn: str, design: str, durable: bool, seconds: float = 6.0) -> float:
+    spec = {
+        "kind": "throughput",
+        "dsn": dsn,
+        "name": f"tp-{design}-{durable}",
+        "max_concurrent": 8,
+        "design": design,
+        "tasks": 50,
+        "seconds": seconds,
+        "synchronous_commit": durable,
+        "poll_interval": 0.1,
+    }
+    procs = [spawn(spec) for _ in range(4)]
+    counts = await anyio.to_thread.run_sync(results, procs)
+    return float(sum(counts)) / seconds
+
+
+async def main(admin_dsn: str) -> None:
+    dsn = prepare(admin_dsn)
+    report: dict[str, Any] = {"cpu_count": os.cpu_count(), "load_before": os.getloadavg()}
+    for durable in (True, False):
+        for design in ("seed", "notify"):
+            key = f"idle_queue[{design}, durable={durable}]"
+            report[key] = await idle_queue(dsn, design, durable)
+            print(key, report[key], flush=True)
+    for design, durable in (("seed", True), ("notify", True), ("notify", False)):
+        key = f"latency[{design}, durable={durable}]"
+        report[key] = await latency(dsn, design, durable)
+        print(key, report[key], flush=True)
+    for design in ("seed", "notify"):
+        for durable in (True, False):
+            key = f"grants_per_s[{design}, durable={durable}]"
+            report[key] = await throughput(dsn, design, durable)
+            print(key, report[key], flush=True)
+    report["load_after"] = os.getloadavg()
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:5432/test")
+    parser.add_argument("--worker")
+    args = parser.parse_args()
+    if args.worker:
+        spec = json.loads(args.worker)
+        asyncio.run(WORKERS[spec["kind"]](spec))
+    else:
+        asyncio.run(main(args.dsn))

@@ -1,0 +1,84 @@
+"""The tables of PostgresLimiter, and the DDL that creates them."""
+
+from __future__ import annotations
+
+from psycopg import sql
+
+__all__ = ("channel_name", "schema_ddl", "schema_sql")
+
+# Three tables per schema, shared by every limiter name in it:
+#   limiters  one row per limiter name: its limits, and the row whose lock serialises every
+#             allocation of that limiter (SELECT ... FOR UPDATE).
+#   queue     waiting requests. ``stale_at`` is pushed forward by the waiting process; a dead
+#             process's entries pass it and are swept. ``deadline`` is on the database clock.
+#   leases    granted slots, valid until ``expires_at`` (database clock) unless renewed.
+_DDL = """\
+CREATE SCHEMA IF NOT EXISTS {schema};
+CREATE TABLE IF NOT EXISTS {schema}.limiters (
+    name text PRIMARY KEY,
+    settings jsonb NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE IF NOT EXISTS {schema}.queue (
+    entry_id uuid PRIMARY KEY,
+    limiter text NOT NULL,
+    workload text NOT NULL,
+    owner uuid NOT NULL,
+    request_id text NOT NULL,
+    seq bigserial NOT NULL,
+    enqueued_at timestamptz NOT NULL,
+    deadline timestamptz,
+    stale_at timestamptz NOT NULL,
+    lease_ttl double precision NOT NULL
+);
+CREATE INDEX IF NOT EXISTS queue_by_limiter ON {schema}.queue (limiter, enqueued_at, seq);
+CREATE INDEX IF NOT EXISTS queue_by_owner ON {schema}.queue (owner);
+CREATE TABLE IF NOT EXISTS {schema}.leases (
+    lease_id uuid PRIMARY KEY,
+    limiter text NOT NULL,
+    workload text NOT NULL,
+    owner uuid NOT NULL,
+    entry_id uuid,
+    request_id text,
+    granted_at timestamptz NOT NULL,
+    expires_at timestamptz NOT NULL
+);
+CREATE INDEX IF NOT EXISTS leases_by_limiter ON {schema}.leases (limiter, expires_at);
+CREATE INDEX IF NOT EXISTS leases_by_entry ON {schema}.leases (entry_id);
+"""
+
+
+def schema_ddl(schema: str) -> list[sql.Composed]:
+    """The DDL statements, one by one, the schema name quoted as an identifier."""
+    return [
+        sql.SQL(statement).format(schema=sql.Identifier(schema))
+        for statement in _DDL.split(";\n")
+        if statement.strip()
+    ]
+
+
+def schema_sql(schema: str = "slotwise") -> str:
+    """Return the DDL that creates PostgresLimiter's tables, for a migration.
+
+    Apply it once (it is idempotent) and pass ``ensure_schema=False`` to limiters whose
+    database role may not run DDL.
+
+    Args:
+        schema: The schema to create the tables in; quoted as an identifier.
+
+    Returns:
+        SQL text: ``CREATE SCHEMA IF NOT EXISTS ...`` and the ``CREATE TABLE`` and
+        ``CREATE INDEX`` statements.
+
+    Example:
+        >>> print(schema_sql("limits").splitlines()[0])
+        CREATE SCHEMA IF NOT EXISTS "limits";
+    """
+    if not isinstance(schema, str) or not schema:
+        raise ValueError(f"schema must be a non-empty string, got {schema!r}")
+    return "".join(f"{statement.as_string()};\n" for statement in schema_ddl(schema))
+
+
+def channel_name(schema: str) -> str:
+    """The NOTIFY channel of a schema's limiters (at most 63 bytes, PostgreSQL's limit)."""
+    return f"slotwise.{schema}".encode()[:63].decode(errors="ignore")

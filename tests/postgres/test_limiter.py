@@ -1,0 +1,399 @@
+"""PostgresLimiter in one process: the protocol, limits, queueing, configuration, failures.
+
+PostgresLimiter is asyncio-only, so these tests run on asyncio (the conftest overrides
+``anyio_backend``), except one that checks the clear failure under trio.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from typing import Any
+
+import anyio
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+import slotwise
+from slotwise import AcquireRequest, Workload
+from slotwise.postgres import PostgresLimiter, schema_sql
+
+pytestmark = pytest.mark.anyio
+
+
+async def queued(limiter: PostgresLimiter[Any], count: int) -> bool:
+    return (await limiter.stats()).queued >= count
+
+
+def request(workload: str = "default", deadline: float | None = None) -> AcquireRequest:
+    return AcquireRequest(workload=workload, request_id="test", deadline=deadline)
+
+
+@pytest.fixture
+def make(tagged_dsn: str, schema: str, limiters: list[Any]) -> Any:
+    def make(**kwargs: Any) -> PostgresLimiter[Any]:
+        kwargs.setdefault("name", "claude")
+        kwargs.setdefault("schema", schema)
+        kwargs.setdefault("poll_interval", 0.05)
+        limiter: PostgresLimiter[Any] = PostgresLimiter(
+            kwargs.pop("conninfo", tagged_dsn), **kwargs
+        )
+        limiters.append(limiter)
+        return limiter
+
+    return make
+
+
+async def test_acquire_renew_release(make: Any) -> None:
+    limiter = make(max_concurrent=2)
+    lease = await limiter.acquire(request())
+    assert (await limiter.stats()).active == 1
+    renewed = await limiter.renew(lease)
+    assert renewed is not None
+    assert renewed.lease_id == lease.lease_id
+    assert renewed.expires_at >= lease.expires_at
+    await limiter.release(lease)
+    await limiter.release(lease)  # idempotent
+    assert await limiter.renew(lease) is None
+    stats = await limiter.stats()
+    assert (stats.active, stats.queued) == (0, 0)
+    assert stats.workloads["default"].max_concurrent == 2
+
+
+async def test_lease_ids_are_never_reused(make: Any) -> None:
+    limiter = make(max_concurrent=1)
+    seen = set()
+    for _ in range(5):
+        lease = await limiter.acquire(request())
+        assert lease.lease_id not in seen
+        seen.add(lease.lease_id)
+        await limiter.release(lease)
+
+
+async def test_unrenewed_lease_expires_and_goes_to_a_waiter(make: Any) -> None:
+    limiter = make(max_concurrent=1, lease_ttl=0.5)
+    first = await limiter.acquire(request())  # never renewed: no slot() around it
+    second = await limiter.acquire(request())  # waits until the first expires
+    assert await limiter.renew(first) is None
+    assert await limiter.renew(second) is not None
+    stats = await limiter.stats()
+    assert (stats.active, stats.queued) == (1, 0)
+    await limiter.release(second)
+
+
+async def test_slots_never_exceed_the_limits_under_cancellation(make: Any) -> None:
+    limiter = make(
+        max_concurrent=3,
+        workloads={
+            "interactive": Workload(reserved=1, priority=10),
+            "background": Workload(max_concurrent=2),
+        },
+    )
+    active = {"interactive": 0, "background": 0}
+    peak = {"interactive": 0, "background": 0, "total": 0}
+    rng = random.Random(1)
+
+    async def one(workload: str) -> None:
+        with anyio.move_on_after(rng.uniform(0, 0.2) if rng.random() < 0.3 else None):
+            async with limiter.slot(workload):
+                active[workload] += 1
+                peak[workload] = max(peak[workload], active[workload])
+                peak["total"] = max(peak["total"], sum(active.values()))
+                await anyio.sleep(rng.uniform(0, 0.02))
+                active[workload] -= 1
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(60):
+            tg.start_soon(one, rng.choice(["interactive", "background"]))
+    assert peak["total"] <= 3
+    assert peak["background"] <= 2
+    assert peak["total"] >= 2  # the test did exercise concurrency
+    stats = await limiter.stats()
+    assert (stats.active, stats.queued) == (0, 0)
+
+
+async def test_queue_full(make: Any, eventually: Any) -> None:
+    limiter = make(max_concurrent=1, max_queued=1)
+    held = await limiter.acquire(request())
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(limiter.acquire, request())
+        await eventually(lambda: queued(limiter, 1))
+        with pytest.raises(slotwise.ConcurrencyQueueFullError):
+            async with limiter.slot():
+                pytest.fail("the body must not run")
+        assert (await limiter.stats()).queued == 1
+        await limiter.release(held)
+    stats = await limiter.stats()
+    assert (stats.active, stats.queued) == (1, 0)
+
+
+@pytest.mark.parametrize("max_wait", [0.0, 0.2])
+async def test_max_wait(make: Any, max_wait: float) -> None:
+    limiter = make(max_concurrent=1, workloads={"default": Workload(max_wait=max_wait)})
+    held = await limiter.acquire(request())
+    with pytest.raises(slotwise.ConcurrencyTimeoutError):
+        async with limiter.slot():
+            pytest.fail("the body must not run")
+    stats = await limiter.stats()
+    assert (stats.active, stats.queued) == (1, 0)
+    await limiter.release(held)
+
+
+async def test_run_budget_ends_the_wait(make: Any) -> None:
+    limiter = make(max_concurrent=1)
+    held = await limiter.acquire(request())
+    with pytest.raises(slotwise.ConcurrencyTimeoutError):
+        async with slotwise.run(limiter=limiter, timeout=0.2), slotwise.slot():
+            pytest.fail("the body must not run")
+    assert (await limiter.stats()).queued == 0
+    await limiter.release(held)
+
+
+async def test_cancelled_waiters_leave_the_queue_and_leak_nothing(make: Any) -> None:
+    limiter = make(max_concurrent=2)
+    rng = random.Random(7)
+
+    async def one() -> None:
+        with anyio.move_on_after(rng.uniform(0, 0.1)):
+            async with limiter.slot():
+                await anyio.sleep(rng.uniform(0, 0.03))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(40):
+            tg.start_soon(one)
+    stats = await limiter.stats()
+    assert (stats.active, stats.queued) == (0, 0)
+
+
+async def test_reservations_and_ceilings_across_two_limiter_objects(make: Any) -> None:
+    limits: dict[str, Any] = {
+        "max_concurrent": 3,
+        "workloads": {
+            "interactive": Workload(reserved=1, priority=10),
+            "background": Workload(max_concurrent=2, max_wait=0.2),
+        },
+    }
+    a, b = make(**limits), make(**limits)
+    held = [await a.acquire(request("background")) for _ in range(2)]
+    # b's background waits at the ceiling; the reserved slot still goes to interactive.
+    with pytest.raises(slotwise.ConcurrencyTimeoutError):
+        async with b.slot("background"):
+            pytest.fail("the background ceiling is reached")
+    interactive = await b.acquire(request("interactive"))
+    stats = await a.stats()
+    assert stats.workloads["background"].active == 2
+    assert stats.workloads["interactive"].active == 1
+    for lease in held:
+        await a.release(lease)
+    await b.release(interactive)
+
+
+async def test_priority_and_hand_off_across_two_limiter_objects(make: Any, eventually: Any) -> None:
+    limits: dict[str, Any] = {
+        "max_concurrent": 1,
+        "workloads": {"high": Workload(priority=10), "low": Workload()},
+    }
+    a, b = make(**limits), make(**limits)
+    held = await a.acquire(request("low"))
+    order: list[str] = []
+
+    async def wait(limiter: PostgresLimiter[Any], workload: str) -> None:
+        async with limiter.slot(workload):
+            order.append(workload)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait, a, "low")
+        await eventually(lambda: queued(a, 1))
+        tg.start_soon(wait, b, "high")
+        await eventually(lambda: queued(a, 2))
+        await a.release(held)
+    assert order == ["high", "low"]
+
+
+async def test_mismatched_limits_fail_and_replace_overwrites(make: Any) -> None:
+    first = make(max_concurrent=2)
+    await first.start()
+    other = make(max_concurrent=3)
+    with pytest.raises(slotwise.ConcurrencyConfigError, match="different limits"):
+        async with other.slot():
+            pytest.fail("the body must not run")
+    replacing = make(max_concurrent=3, on_conflict="replace")
+    async with replacing.slot():
+        pass
+    # The first process's limits are now stale: it refuses to allocate with them.
+    with pytest.raises(slotwise.ConcurrencyConfigError, match="changed by another process"):
+        async with first.slot():
+            pytest.fail("the body must not run")
+
+
+async def test_schema_sql_and_ensure_schema_false(dsn: str, make: Any, schema: str) -> None:
+    odd = schema + ' "odd" name'
+    try:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            await conn.execute(schema_sql(odd).encode())
+        limiter = make(max_concurrent=1, schema=odd, ensure_schema=False)
+        async with limiter.slot():
+            assert (await limiter.stats()).active == 1
+    finally:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            await conn.execute(
+                psycopg.sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                    psycopg.sql.Identifier(odd)
+                )
+            )
+
+
+async def test_missing_tables_fail_closed(make: Any) -> None:
+    limiter = make(max_concurrent=1, ensure_schema=False)
+    with pytest.raises(slotwise.ConcurrencyLimiterError) as info:
+        async with limiter.slot():
+            pytest.fail("the body must not run")
+    assert isinstance(info.value.__cause__, psycopg.errors.UndefinedTable)
+
+
+async def test_unreachable_database_fails_closed(make: Any) -> None:
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        "postgresql://postgres@127.0.0.1:1/test", min_size=1, open=False, timeout=0.5
+    )
+    await pool.open(wait=False)
+    try:
+        limiter = make(conninfo=pool, max_concurrent=1)
+        with pytest.raises(slotwise.ConcurrencyLimiterError):
+            async with limiter.slot():
+                pytest.fail("the body must not run")
+    finally:
+        await pool.close()
+
+
+async def test_a_pool_passed_in_stays_open(tagged_dsn: str, schema: str) -> None:
+    async with AsyncConnectionPool(
+        tagged_dsn, min_size=1, max_size=2, kwargs={"autocommit": True}
+    ) as pool:
+        limiter: PostgresLimiter[Any] = PostgresLimiter(pool, max_concurrent=1, schema=schema)
+        async with limiter, limiter.slot():
+            pass
+        assert not pool.closed
+        async with pool.connection() as conn:
+            await conn.execute("SELECT 1")
+
+
+async def test_connection_loss_recovers_without_over_grant(
+    dsn: str, make: Any, schema: str
+) -> None:
+    limiter = make(max_concurrent=2)
+    peak = active = 0
+    errors: list[BaseException] = []
+
+    async def one() -> None:
+        nonlocal peak, active
+        try:
+            async with limiter.slot():
+                active += 1
+                peak = max(peak, active)
+                await anyio.sleep(0.02)
+                active -= 1
+        except slotwise.ConcurrencyLimiterError as exc:
+            errors.append(exc)
+
+    async def terminate() -> None:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            for _ in range(3):
+                await anyio.sleep(0.1)
+                await conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name = %s",
+                    [schema],
+                )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(terminate)
+        for _ in range(30):
+            tg.start_soon(one)
+    assert peak <= 2
+    for exc in errors:  # a failure is a clear limiter error caused by the database
+        assert isinstance(exc.__cause__, psycopg.Error)
+    # Afterwards the limiter works again, and nothing stayed held or queued.
+    async with limiter.slot():
+        pass
+    stats = await limiter.stats()
+    assert stats.queued == 0
+    assert stats.active == 0
+
+
+async def test_invalid_settings(dsn: str) -> None:
+    with pytest.raises(slotwise.ConcurrencyConfigError, match="max_concurrent"):
+        PostgresLimiter(dsn, max_concurrent=0)
+    with pytest.raises(slotwise.ConcurrencyConfigError, match="poll_interval"):
+        PostgresLimiter(dsn, max_concurrent=1, poll_interval=0)
+    with pytest.raises(slotwise.ConcurrencyConfigError, match="on_conflict"):
+        PostgresLimiter(dsn, max_concurrent=1, on_conflict="merge")  # type: ignore[arg-type]
+    with pytest.raises(slotwise.ConcurrencyConfigError, match="first argument"):
+        PostgresLimiter(42, max_concurrent=1)  # type: ignore[arg-type]
+
+
+def test_built_outside_an_event_loop_and_protocol(dsn: str) -> None:
+    limiter: PostgresLimiter[Any] = PostgresLimiter(dsn, name="claude", max_concurrent=8)
+    assert isinstance(limiter, slotwise.Limiter)
+    assert limiter.lease_ttl == 30.0
+    assert limiter.queue_entry_ttl == 15.0
+    assert "'claude'" in repr(limiter)
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_trio_fails_at_once_with_a_clear_error(dsn: str) -> None:
+    limiter: PostgresLimiter[Any] = PostgresLimiter(dsn, max_concurrent=1)
+    with pytest.raises(slotwise.ConcurrencyConfigError, match="asyncio only"):
+        async with limiter.slot():
+            pytest.fail("the body must not run")
+
+
+def test_import_slotwise_does_not_import_psycopg() -> None:
+    code = "import sys, slotwise; assert 'psycopg' not in sys.modules, 'psycopg imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+async def test_a_limiter_starts_again_after_a_failed_start_and_after_aclose(
+    make: Any,
+) -> None:
+    await make(max_concurrent=1).start()
+    limiter = make(max_concurrent=2)
+    with pytest.raises(slotwise.ConcurrencyConfigError):
+        await limiter.start()
+    assert limiter.pool.closed  # a failed start holds no connections
+    replacing = make(max_concurrent=2, on_conflict="replace")
+    async with replacing:
+        pass
+    async with limiter.slot():  # the same object, now that the stored limits agree
+        pass
+    await limiter.aclose()
+    async with limiter.slot():
+        pass
+
+
+async def test_a_notification_delivers_a_grant_made_by_another_process(make: Any) -> None:
+    # Polling every 30 s: a grant that arrives within the 10 s bound came by notification.
+    limits: dict[str, Any] = {"max_concurrent": 1, "poll_interval": 30.0, "queue_entry_ttl": 120}
+    a, b = make(**limits), make(**limits)
+    held = await a.acquire(request())
+    async with anyio.create_task_group() as tg:
+
+        async def wait() -> None:
+            with anyio.fail_after(10):
+                lease = await b.acquire(request())
+            await b.release(lease)
+
+        tg.start_soon(wait)
+        await eventually_queued(a)
+        await a.release(held)  # grants b's request in this transaction; NOTIFY tells b
+    stats = await a.stats()
+    assert (stats.active, stats.queued) == (0, 0)
+
+
+async def eventually_queued(limiter: PostgresLimiter[Any]) -> None:
+    with anyio.fail_after(20):
+        for _ in range(10_000):
+            if await queued(limiter, 1):
+                return
+            await anyio.sleep(0.01)
