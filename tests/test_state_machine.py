@@ -428,3 +428,21 @@ def test_lease_ids_differ_between_states() -> None:
     assert a.lease is not None
     assert b.lease is not None
     assert a.lease.lease_id != b.lease.lease_id
+
+
+def test_the_expiry_heap_does_not_grow_with_released_and_renewed_leases() -> None:
+    # Each grant and renewal pushes an expiry; released and renewed leases leave stale ones.
+    # The heap is rebuilt once they outnumber the live leases, so memory follows the leases
+    # held, not the slots ever granted.
+    state = seed_state()
+    held = state.submit("background", 0.0)[0]
+    assert held.lease is not None
+    for step in range(10_000):
+        now = step * 0.001
+        ticket, _ = state.submit("interactive", now)
+        assert ticket.lease is not None
+        state.renew(held.lease.lease_id, now)
+        state.release(ticket.lease.lease_id, now)
+    assert len(state.leases) == 1
+    assert len(state._expiries) <= 2 * len(state.leases) + 64
+    assert state.next_expiry() == held.lease.expires_at

@@ -15,7 +15,7 @@ from ._events import ConcurrencyEvent
 from ._protocol import AcquireRequest, Lease, SupportsLease
 from ._runtime import dispatch
 from ._runtime.lifecycle import SlotContext, slot
-from ._runtime.loop import checkpoint
+from ._runtime.loop import checkpoint, new_waker, park, wake
 from ._runtime.loop import now as current_time
 from ._stats import LimiterStats, WorkloadStats
 
@@ -213,9 +213,13 @@ class MemoryLimiter(Generic[W]):
                 if self._watcher is ticket:
                     wake_at = min(wake_at, state.next_expiry() or math.inf)
                     self._watch_until = wake_at
-                ticket.waker = anyio.Event()
-                with anyio.CancelScope(deadline=wake_at):
-                    await ticket.waker.wait()
+                ticket.waker = waker = new_waker()
+                if wake_at == math.inf:
+                    # Nothing to wake up for but a grant: no cancel scope, no timer.
+                    await park(waker)
+                else:
+                    with anyio.CancelScope(deadline=wake_at):
+                        await park(waker)
                 if ticket.lease is None:
                     now = current_time()
                     self._wake(state.expire(now))
@@ -262,7 +266,7 @@ class MemoryLimiter(Generic[W]):
     def _wake(self, granted: list[Ticket]) -> None:
         for ticket in granted:
             if ticket.waker is not None:
-                ticket.waker.set()
+                wake(ticket.waker)
             self._granted(ticket)
 
     def _granted(self, ticket: Ticket) -> None:
@@ -276,7 +280,7 @@ class MemoryLimiter(Generic[W]):
             and watcher.waker is not None
         ):
             self._watch_until = ticket.lease.expires_at
-            watcher.waker.set()
+            wake(watcher.waker)
 
     def _leave(self, ticket: Ticket) -> None:
         self._wake(self._state.withdraw(ticket, current_time()))
@@ -291,7 +295,7 @@ class MemoryLimiter(Generic[W]):
             for other in queue.values():
                 self._watcher = other
                 if other.waker is not None:
-                    other.waker.set()
+                    wake(other.waker)
                 return
 
     def __repr__(self) -> str:

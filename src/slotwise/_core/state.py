@@ -109,6 +109,7 @@ class LimiterState:
         if record is None:
             return []
         self._drop(record)
+        self._compact()
         return self._allocate(now)
 
     def renew(self, lease_id: str, now: float) -> LeaseRecord | None:
@@ -118,6 +119,7 @@ class LimiterState:
             return None
         record.expires_at = now + self.lease_ttl
         heapq.heappush(self._expiries, (record.expires_at, lease_id))
+        self._compact()
         return record
 
     def expire(self, now: float) -> list[Ticket]:
@@ -156,6 +158,14 @@ class LimiterState:
         self.active[ticket.workload] = held + 1
         heapq.heappush(self._expiries, (record.expires_at, lease_id))
         ticket.lease = record
+
+    def _compact(self) -> None:
+        # Released and renewed leases leave stale entries in the expiry heap; rebuilding it
+        # once they outnumber the live ones keeps it O(leases) at O(1) amortized cost.
+        if len(self._expiries) <= 2 * len(self.leases) + 64:
+            return
+        self._expiries = [(r.expires_at, r.lease_id) for r in self.leases.values()]
+        heapq.heapify(self._expiries)
 
     def _drop(self, record: LeaseRecord) -> None:
         held = self.active[record.workload] - 1

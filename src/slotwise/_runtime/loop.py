@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
-__all__ = ("checkpoint", "loop_identity", "now")
+__all__ = ("checkpoint", "loop_identity", "new_waker", "now", "park", "wake")
 
 
 def _trio_running() -> bool:
@@ -38,3 +39,62 @@ async def checkpoint() -> None:
         await sys.modules["trio"].lowlevel.checkpoint()
     else:
         await asyncio.sleep(0)
+
+
+# A waiter's wake-up call: a bare future on asyncio (an asyncio.Event would add a deque and a
+# future per waiter, an anyio.Event one more object); on trio, the waiting task itself.
+Waker = Any
+
+
+def new_waker() -> Waker:
+    """A one-shot wake-up call for the current task, set from any task of the same loop."""
+    if _trio_running():
+        return _TrioWaker()
+    return asyncio.get_running_loop().create_future()
+
+
+def wake(waker: Waker) -> None:
+    """Set ``waker``; harmless if it was set or its waiter is gone."""
+    if isinstance(waker, asyncio.Future):
+        if not waker.done():
+            waker.set_result(None)
+    else:
+        waker.set()
+
+
+async def park(waker: Waker) -> None:
+    """Wait until ``waker`` is set."""
+    if isinstance(waker, asyncio.Future):
+        await waker
+    else:
+        await waker.wait()
+
+
+class _TrioWaker:
+    """trio.Event without its ParkingLot: one task, set once."""
+
+    __slots__ = ("_set", "_task")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._task: Any = None
+
+    def set(self) -> None:
+        if self._set:
+            return
+        self._set = True
+        if self._task is not None:
+            task, self._task = self._task, None
+            sys.modules["trio"].lowlevel.reschedule(task)
+
+    def _abort(self, _: Any) -> Any:
+        self._task = None
+        return sys.modules["trio"].lowlevel.Abort.SUCCEEDED
+
+    async def wait(self) -> None:
+        lowlevel = sys.modules["trio"].lowlevel
+        if self._set:
+            await lowlevel.checkpoint()
+            return
+        self._task = lowlevel.current_task()
+        await lowlevel.wait_task_rescheduled(self._abort)

@@ -1,0 +1,250 @@
+"""``python -m benchmarks``: slotwise beside its peers, in one run, with ratios and targets.
+
+Options:
+    --tiny             a few iterations of everything: proves the benchmarks run, measures
+                       nothing worth reading.
+    --only NAME        run one section (repeatable): uncontended, hand-off, cancellation,
+                       memory, allocation.
+    --backend NAME     asyncio, trio or all. By default the uncontended cycle runs on both
+                       and the other sections on asyncio, whose asyncio.Semaphore they compare
+                       with; ``all`` runs every section on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from . import allocation, cancellation, handoff, memory, uncontended
+from ._harness import ANYIO, ASYNCIO_SEMAPHORE, FULL, SLOTWISE, TINY, Row, Size
+
+SECTIONS: dict[str, Callable[[Size, list[str]], list[Row]]] = {
+    "uncontended": uncontended.run,
+    "hand-off": handoff.run,
+    "cancellation": cancellation.run,
+    "memory": memory.run,
+    "allocation": allocation.run,
+}
+TITLES = {
+    "uncontended": "Uncontended slot cycle: `async with` enter+exit, limit 8, never full "
+    "(lower is better)",
+    "hand-off": f"Contended hand-off: N waiters behind a full limit of {handoff.LIMIT} "
+    "(higher grants/s is better)",
+    "cancellation": "Cancelling half of N queued waiters in random order (lower is better)",
+    "memory": "Memory per waiting request, tracemalloc (lower is better)",
+    "allocation": "Allocation throughput, 4 workloads with reservations and priorities, "
+    f"limit {allocation.LIMIT} (higher is better)",
+}
+
+
+def cpu_model() -> str:
+    """The CPU model named by /proc/cpuinfo, or the platform's guess."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def with_ratios(rows: list[Row]) -> list[Row]:
+    """Set each row's ratio: the group's reference figure (slotwise's, or the group's first
+    row) divided by the row's."""
+    references: dict[str, Row] = {}
+    for row in rows:
+        if row.group not in references or row.peer == SLOTWISE:
+            references[row.group] = row
+    return [
+        attrs.evolve(row, ratio=references[row.group].value / row.value if row.value else None)
+        for row in rows
+    ]
+
+
+def _figure(value: float) -> str:
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:,.2f}"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """One section's rows as an aligned text table."""
+    header = ("backend", "peer", "N", "figure", "unit", "slotwise / peer", "")
+    lines = [
+        (
+            row.backend,
+            row.peer,
+            f"{row.n:,}",
+            _figure(row.value),
+            row.unit,
+            f"{row.ratio:.2f}x" if row.ratio is not None else "-",
+            row.extra,
+        )
+        for row in rows
+    ]
+    widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
+    right = {2, 3, 5}
+
+    def fmt(cells: Sequence[str]) -> str:
+        return "  ".join(
+            cell.rjust(width) if i in right else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    rule = "  ".join("-" * width for width in widths).rstrip()
+    return "\n".join([fmt(header), rule, *(fmt(cells) for cells in lines)])
+
+
+@attrs.frozen(kw_only=True)
+class Verdict:
+    target: str
+    measured: str
+    met: bool
+
+
+def _find(rows: list[Row], section: str, backend: str, peer: str, n: int | None = None) -> Row:
+    for row in rows:
+        if (row.section, row.backend, row.peer) == (section, backend, peer) and n in (None, row.n):
+            return row
+    raise LookupError((section, backend, peer, n))
+
+
+def verdicts(rows: list[Row]) -> list[Verdict]:
+    """Check the targets against the figures of this run."""
+    out: list[Verdict] = []
+    backends = sorted({row.backend for row in rows if row.section != "allocation"})
+    for backend in backends:
+        by = [row for row in rows if row.backend == backend]
+        if any(row.section == "uncontended" for row in by):
+            ratio = (
+                _find(by, "uncontended", backend, SLOTWISE).value
+                / _find(by, "uncontended", backend, ANYIO).value
+            )
+            out.append(
+                Verdict(
+                    target=f"uncontended cycle <= 1.0x anyio.CapacityLimiter's time [{backend}]",
+                    measured=f"{ratio:.2f}x",
+                    met=ratio <= 1.0,
+                )
+            )
+        sizes = sorted({row.n for row in by if row.section == "hand-off"})
+        if sizes:
+            ratios = [
+                _find(by, "hand-off", backend, SLOTWISE, n).value
+                / _find(by, "hand-off", backend, ANYIO, n).value
+                for n in sizes
+            ]
+            out.append(
+                Verdict(
+                    target=f"hand-off >= 1.0x anyio.CapacityLimiter's grants/s at every N "
+                    f"[{backend}]",
+                    measured=", ".join(
+                        f"{r:.2f}x at {n:,}" for r, n in zip(ratios, sizes, strict=True)
+                    ),
+                    met=min(ratios) >= 1.0,
+                )
+            )
+            costs = [1.0 / _find(by, "hand-off", backend, SLOTWISE, n).value for n in sizes]
+            spread = max(costs) / min(costs)
+            out.append(
+                Verdict(
+                    target=f"hand-off cost per grant within 2x from {sizes[0]:,} to "
+                    f"{sizes[-1]:,} waiters [{backend}]",
+                    measured=f"max/min {spread:.2f}x",
+                    met=spread <= 2.0,
+                )
+            )
+        semaphores = [
+            row for row in by if row.section == "cancellation" and row.peer == ASYNCIO_SEMAPHORE
+        ]
+        for semaphore in semaphores[-1:]:
+            mine = _find(by, "cancellation", backend, SLOTWISE, semaphore.n)
+            ratio = semaphore.value / mine.value
+            out.append(
+                Verdict(
+                    target=f"cancellation >= 10x faster per cancel than {semaphore.peer} "
+                    f"(N={semaphore.n:,}) [{backend}]",
+                    measured=f"{ratio:.1f}x",
+                    met=ratio >= 10.0,
+                )
+            )
+        if any(row.section == "memory" for row in by):
+            mine = _find(by, "memory", backend, SLOTWISE)
+            theirs = _find(by, "memory", backend, ANYIO)
+            ratio = mine.value / theirs.value
+            out.append(
+                Verdict(
+                    target=f"memory per waiter <= anyio.CapacityLimiter's [{backend}]",
+                    measured=f"{mine.value:,.0f} vs {theirs.value:,.0f} bytes ({ratio:.2f}x)",
+                    met=ratio <= 1.0,
+                )
+            )
+    return out
+
+
+def _backends(section: str, choice: str | None) -> list[str]:
+    if choice == "all":
+        return ["asyncio", "trio"]
+    if choice is not None:
+        return [choice]
+    return ["asyncio", "trio"] if section == "uncontended" else ["asyncio"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmarks and print their tables, then the targets."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Measure slotwise beside its peers, in one run, with ratios and targets.",
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=list(SECTIONS),
+        metavar="NAME",
+        help=f"run only this section (repeatable): {', '.join(SECTIONS)}",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["asyncio", "trio", "all"],
+        default=None,
+        help="event loop(s); default: uncontended on both, the rest on asyncio",
+    )
+    args = parser.parse_args(argv)
+    size = TINY if args.tiny else FULL
+    chosen = args.only or list(SECTIONS)
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"slotwise benchmarks: Python {platform.python_version()} on {cpu_model()}, "
+        f"{os.cpu_count()} CPUs, load average {load:.2f}"
+    )
+    print(
+        f"command: python -m benchmarks {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()
+        + f"  (best of {size.repeats}+ repetitions; process CPU time; garbage collector off "
+        "while timing)"
+    )
+    started = time.perf_counter()
+    rows: list[Row] = []
+    for name in [name for name in SECTIONS if name in chosen]:
+        section_rows = with_ratios(SECTIONS[name](size, _backends(name, args.backend)))
+        rows += section_rows
+        print(f"\n## {name}: {TITLES[name]}\n")
+        print(format_table(section_rows))
+        sys.stdout.flush()
+    print("\n## targets (ratios measured in this run)\n")
+    for verdict in verdicts(rows):
+        print(f"{'MET   ' if verdict.met else 'MISSED'}  {verdict.target}: {verdict.measured}")
+    print(f"\ntotal time {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
