@@ -616,10 +616,13 @@ class PostgresLimiter(Generic[W]):
         """Run ``body`` in one transaction on a pooled connection.
 
         A connection that turns out broken before anything was committed (the pool handed
-        out a connection the server has since closed) is retried once on a fresh one;
-        ``retry`` also allows a retry after commit was attempted (idempotent bodies).
+        out a connection the server has since closed) is retried on another; after a server
+        restart every pooled connection may be broken, so up to the pool's size plus one
+        attempts are made. ``retry`` also allows a retry after commit was attempted
+        (idempotent bodies).
         """
-        for attempt in (1, 2):
+        attempts = self._pool.max_size + 1
+        for attempt in range(1, attempts + 1):
             committing = False
             try:
                 async with self._pool.connection() as conn, conn.pipeline(), conn.transaction():
@@ -629,7 +632,7 @@ class PostgresLimiter(Generic[W]):
                     committing = True
                 return result
             except psycopg.OperationalError:
-                if attempt == 2 or (committing and not retry):
+                if attempt == attempts or (committing and not retry):
                     raise
         raise AssertionError("unreachable")
 
