@@ -11,6 +11,7 @@ that raises is retried until the lease would have expired; a lease the limiter n
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -38,12 +39,13 @@ def lease_ttl(limiter: Any) -> float:
 
 
 class _Keeper:
-    __slots__ = ("_alarm", "_groups", "_running", "_tasks", "_wake")
+    __slots__ = ("_alarm", "_groups", "_renewing", "_running", "_tasks", "_wake")
 
     def __init__(self) -> None:
         # ttl -> slots in due order (slot -> when it is next due)
         self._groups: dict[float, OrderedDict[Slot, float]] = {}
         self._running = False
+        self._renewing = 0  # renewals in flight
         self._alarm = math.inf  # when the sleeping keeper wakes up by itself
         self._wake: anyio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -79,43 +81,52 @@ class _Keeper:
     async def main(self) -> None:
         idle_since: float | None = None
         try:
-            while True:
-                due = self._next_due()
-                current = now()
-                if due is None:
-                    # Linger a while, so a program that takes and releases slots in a loop
-                    # does not start a new keeper task for every slot.
-                    idle_since = current if idle_since is None else idle_since
-                    if current - idle_since >= _IDLE_LINGER:
-                        return
-                    self._alarm = idle_since + _IDLE_LINGER
-                elif due > current:
-                    idle_since = None
-                    self._alarm = due
-                else:
-                    idle_since = None
-                    await self._renew_due(current)
-                    continue
-                self._wake = anyio.Event()
-                with anyio.move_on_after(self._alarm - current):
-                    await self._wake.wait()
-                self._wake = None
+            # Renewals run side by side in this task group: one that hangs (a stuck database
+            # connection) must not hold up the renewal of any other slot.
+            async with anyio.create_task_group() as tg:
+                while True:
+                    due = self._next_due()
+                    current = now()
+                    if due is not None and due <= current:
+                        idle_since = None
+                        for slot, ttl in self._pop_due(current):
+                            self._renewing += 1
+                            tg.start_soon(self._renew, slot, ttl)
+                        continue
+                    if due is None and not self._renewing:
+                        idle_since = current if idle_since is None else idle_since
+                        if current - idle_since >= _IDLE_LINGER:
+                            return
+                        self._alarm = idle_since + _IDLE_LINGER
+                    else:
+                        idle_since = None
+                        self._alarm = math.inf if due is None else due
+                    self._wake = anyio.Event()
+                    with anyio.move_on_after(self._alarm - current):
+                        await self._wake.wait()
+                    self._wake = None
         finally:
             self._running = False
             self._wake = None
             self._alarm = math.inf
 
-    async def _renew_due(self, current: float) -> None:
+    def _pop_due(self, current: float) -> list[tuple[Slot, float]]:
         batch: list[tuple[Slot, float]] = []
         for ttl, group in self._groups.items():
             while group and next(iter(group.values())) <= current:
                 slot, _ = group.popitem(last=False)
                 batch.append((slot, ttl))
-        async with anyio.create_task_group() as tg:
-            for slot, ttl in batch:
-                tg.start_soon(self._renew, slot, ttl)
+        return batch
 
     async def _renew(self, slot: Slot, ttl: float) -> None:
+        try:
+            await self._renew_once(slot, ttl)
+        finally:
+            self._renewing -= 1
+            if not self._renewing and self._wake is not None:
+                self._wake.set()  # the keeper may now start to linger
+
+    async def _renew_once(self, slot: Slot, ttl: float) -> None:
         started = now()
         try:
             # A renewal that hangs must not outlive the lease it is trying to save.
@@ -145,7 +156,8 @@ class _Keeper:
 def _spawn(keeper: _Keeper) -> None:
     loop = loop_identity()
     if isinstance(loop, asyncio.AbstractEventLoop):
-        task = loop.create_task(keeper.main())
+        # A fresh context: not the one of whichever request happened to start the keeper.
+        task = loop.create_task(keeper.main(), context=contextvars.Context())
         keeper._tasks.add(task)
         task.add_done_callback(keeper._tasks.discard)
     else:

@@ -8,6 +8,7 @@ request's lineage.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -46,7 +47,7 @@ from .._events import (
 )
 from .._protocol import AcquireRequest, SupportsLease
 from . import dispatch, keeper
-from .loop import checkpoint, now
+from .loop import checkpoint, now, trio_running
 from .runs import Run, current_run
 
 __all__ = ("Slot", "acquire", "slot")
@@ -58,6 +59,26 @@ _prefix = secrets.token_hex(4)
 _request_seq = itertools.count(1)
 # Slots the current task (and the tasks it starts) holds, for the nested-slot deadlock guard.
 _holding: ContextVar[tuple[Slot, ...]] = ContextVar("slotwise_holding", default=())
+
+
+_releasing: set[asyncio.Future[Any]] = set()
+
+
+async def _release_shielded(limiter: Any, lease: SupportsLease) -> None:
+    """``await limiter.release(lease)`` to the end, whatever cancels the caller.
+
+    anyio's shield stops anyio's cancellations only: on asyncio a native cancellation
+    (``task.cancel()``, ``asyncio.timeout``, ``asyncio.TaskGroup``) goes through it, so there the
+    release runs in a task of its own that the caller's cancellation cannot interrupt.
+    """
+    with anyio.CancelScope(shield=True):
+        if trio_running():
+            await limiter.release(lease)
+            return
+        task = asyncio.ensure_future(limiter.release(lease))
+        _releasing.add(task)
+        task.add_done_callback(_releasing.discard)
+        await asyncio.shield(task)
 
 
 def _describe(exc: BaseException) -> str:
@@ -105,32 +126,31 @@ class Slot:
         "workload",
     )
 
-    def __init__(
-        self,
-        *,
-        limiter: Any,
-        limiter_name: str,
-        workload: str | None,
-        request_id: str | None,
-        run: Run | None,
-        lease: SupportsLease | None,
-        now: float,
-    ) -> None:
+    def __init__(self, limiter: Any, run: Run | None) -> None:
         self.limiter = limiter
-        self.limiter_name = limiter_name
-        self.workload = workload
-        self.request_id = request_id
-        self.run_id = run.run_id if run else None
-        self.root_run_id = run.root_run_id if run else None
-        self.parent_run_id = run.parent_run_id if run else None
-        self.lease = lease
-        self._acquired_at = now
-        self._renewed_at = now
-        self._released = lease is None
+        if limiter is None:
+            self.limiter_name = ""
+            self.request_id: str | None = None
+        else:
+            self.limiter_name = str(getattr(limiter, "name", type(limiter).__name__))
+            self.request_id = f"{_prefix}-{next(_request_seq)}"
+        self.workload: str | None = None
+        self.run_id = run.run_id if run is not None else None
+        self.root_run_id = run.root_run_id if run is not None else None
+        self.parent_run_id = run.parent_run_id if run is not None else None
+        self.lease: SupportsLease | None = None
+        self._acquired_at = 0.0
+        self._renewed_at = 0.0
+        self._released = True  # nothing is held until a lease is granted
         self._lost = False
         self._scope: anyio.CancelScope | None = None
         self._keeper: Any = None
         self._ttl = 0.0
+
+    def _hold(self, lease: SupportsLease, at: float) -> None:
+        self.lease = lease
+        self._acquired_at = self._renewed_at = at
+        self._released = False
 
     @property
     def lease_id(self) -> str | None:
@@ -163,8 +183,7 @@ class Slot:
             if release_nowait is not None:
                 release_nowait(lease)
             else:
-                with anyio.CancelScope(shield=True):
-                    await self.limiter.release(lease)
+                await _release_shielded(self.limiter, lease)
         except Exception as exc:
             _logger.warning(
                 "slotwise: releasing lease %s failed: %s", lease.lease_id, _describe(exc)
@@ -200,19 +219,31 @@ class Slot:
             self._scope.cancel()
 
     def _emit(self, cls: Any, **fields: Any) -> None:
-        dispatch.emit(
-            self.limiter,
-            cls(
-                limiter=self.limiter_name,
-                workload=self.workload,
-                run_id=self.run_id,
-                root_run_id=self.root_run_id,
-                parent_run_id=self.parent_run_id,
-                request_id=self.request_id,
-                timestamp=time.time(),
-                **fields,
-            ),
+        if dispatch.wants(self.limiter):
+            dispatch.emit(
+                self.limiter,
+                cls(
+                    limiter=self.limiter_name,
+                    workload=self.workload,
+                    run_id=self.run_id,
+                    root_run_id=self.root_run_id,
+                    parent_run_id=self.parent_run_id,
+                    request_id=self.request_id,
+                    timestamp=time.time(),
+                    **fields,
+                ),
+            )
+
+    def _fill(self, exc: ConcurrencyError) -> ConcurrencyError:
+        exc._fill(
+            limiter=self.limiter_name,
+            workload=self.workload,
+            run_id=self.run_id,
+            root_run_id=self.root_run_id,
+            parent_run_id=self.parent_run_id,
+            request_id=self.request_id,
         )
+        return exc
 
     def __repr__(self) -> str:
         if self.limiter is None:
@@ -222,6 +253,10 @@ class Slot:
             f"<slotwise.Slot {self.limiter_name!r} workload={self.workload!r} "
             f"lease={self.lease_id} {state}>"
         )
+
+
+class _BudgetEnded(Exception):
+    """The request's own budget scope ended the wait."""
 
 
 _ERROR_EVENTS: tuple[tuple[type[ConcurrencyError], Any], ...] = (
@@ -262,24 +297,12 @@ async def acquire(
         limiter = run.limiter if run is not None else None
         if limiter is None:
             await checkpoint()
-            return Slot(
-                limiter=None,
-                limiter_name="",
-                workload=None,
-                request_id=None,
-                run=run,
-                lease=None,
-                now=0.0,
-            )
+            return Slot(None, run)
     if workload is None and run is not None and run.limiter is limiter:
         workload = run.workload
-    request = _Request(limiter, run)
-    validate = getattr(limiter, "validate_workload", None)
+    slot = Slot(limiter, run)
     try:
-        if validate is not None:
-            resolved = str(validate(workload))
-        else:
-            resolved = "default" if workload is None else str(workload)
+        slot.workload = _resolve(limiter, workload)
         if not allow_nested and any(
             held.limiter is limiter and not held.released for held in _holding.get()
         ):
@@ -290,132 +313,86 @@ async def acquire(
                 "running tools, or pass allow_nested=True if you mean it"
             )
     except ConcurrencyConfigError as exc:
-        request.workload = None if workload is None else str(workload)
-        request.emit(ConfigErrorEvent, error=_describe(exc))
-        raise request.fill(exc) from None
-    request.workload = resolved
+        if slot.workload is None and workload is not None:
+            slot.workload = str(workload)
+        slot._emit(ConfigErrorEvent, error=_describe(exc))
+        raise slot._fill(exc) from None
 
     deadline = run.deadline if run is not None else None
-    start = now() if request.listening else 0.0
-    if request.listening:
-        max_wait = _max_wait(limiter, resolved)
+    listening = dispatch.wants(limiter)
+    start = now() if listening else 0.0
+    if listening:
+        max_wait = _max_wait(limiter, slot.workload)
         effective = deadline
         if max_wait is not None:
             effective = start + max_wait if effective is None else min(effective, start + max_wait)
-        request.emit(WaitStartedEvent, deadline=_epoch(effective))
+        slot._emit(WaitStartedEvent, deadline=_epoch(effective))
+    request = AcquireRequest(
+        workload=slot.workload,
+        request_id=slot.request_id or "",
+        run_id=slot.run_id,
+        root_run_id=slot.root_run_id,
+        parent_run_id=slot.parent_run_id,
+        deadline=deadline,
+    )
+    # The run's budget bounds the wait even for a limiter that ignores request.deadline; only
+    # this scope firing (never an unrelated cancellation) turns into a timeout.
+    budget = None if deadline is None else anyio.CancelScope(deadline=deadline)
     try:
-        lease = await limiter.acquire(
-            AcquireRequest(
-                workload=resolved,
-                request_id=request.request_id,
-                run_id=request.run_id,
-                root_run_id=request.root_run_id,
-                parent_run_id=request.parent_run_id,
-                deadline=deadline,
-            )
-        )
+        if budget is None:
+            lease = await limiter.acquire(request)
+        else:
+            with budget:
+                lease = await limiter.acquire(request)
+            if budget.cancelled_caught:
+                raise _BudgetEnded
         try:
             # Granted just as the request was cancelled: give it back before any body runs.
             await checkpoint_if_cancelled()
         except BaseException:
-            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                await limiter.release(lease)
+            with contextlib.suppress(Exception):
+                await _release_shielded(limiter, lease)
             raise
-    except anyio.get_cancelled_exc_class():
-        current = now()
-        waited = current - start if request.listening else 0.0
-        if run is not None and deadline is not None and not run.cancelled and current >= deadline:
-            # The run's budget ended while we waited: the API promises a timeout error here,
-            # not the cancellation the run's scope delivered.
-            request.emit(TimedOutEvent, wait_time=waited)
-            raise request.fill(
+    except (_BudgetEnded, anyio.get_cancelled_exc_class()) as exc:
+        waited = now() - start if listening else 0.0
+        if isinstance(exc, _BudgetEnded) or (
+            budget is not None and budget.cancel_called and not (run is not None and run.cancelled)
+        ):
+            slot._emit(TimedOutEvent, wait_time=waited)
+            raise slot._fill(
                 ConcurrencyTimeoutError(
                     "the run's time budget ended while the request waited for a slot"
                 )
             ) from None
-        request.emit(WaitCancelledEvent, wait_time=waited)
+        slot._emit(WaitCancelledEvent, wait_time=waited)
         raise
     except ConcurrencyConfigError as exc:
-        request.emit(ConfigErrorEvent, error=_describe(exc))
-        raise request.fill(exc) from None
+        slot._emit(ConfigErrorEvent, error=_describe(exc))
+        raise slot._fill(exc) from None
     except Exception as exc:
-        waited = now() - start if request.listening else 0.0
+        waited = now() - start if listening else 0.0
         for cls, event in _ERROR_EVENTS:
             if isinstance(exc, cls):
-                request.emit(event, wait_time=waited)
-                raise request.fill(exc) from None
-        request.emit(LimiterErrorEvent, wait_time=waited, error=_describe(exc))
+                slot._emit(event, wait_time=waited)
+                raise slot._fill(exc) from None
+        slot._emit(LimiterErrorEvent, wait_time=waited, error=_describe(exc))
         if isinstance(exc, ConcurrencyLimiterError):
-            raise request.fill(exc) from None
-        raise request.fill(
+            raise slot._fill(exc) from None
+        raise slot._fill(
             ConcurrencyLimiterError(f"the limiter failed while acquiring a slot: {_describe(exc)}")
         ) from exc
-    acquired_at = now()
-    slot = Slot(
-        limiter=limiter,
-        limiter_name=request.limiter_name,
-        workload=resolved,
-        request_id=request.request_id,
-        run=run,
-        lease=lease,
-        now=acquired_at,
-    )
+    slot._hold(lease, now())
     keeper.track(slot)
-    request.emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=acquired_at - start)
+    if listening:
+        slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=slot._acquired_at - start)
     return slot
 
 
-@final
-class _Request:
-    """The identity of one slot request: what its events and errors carry."""
-
-    __slots__ = (
-        "limiter",
-        "limiter_name",
-        "listening",
-        "parent_run_id",
-        "request_id",
-        "root_run_id",
-        "run_id",
-        "workload",
-    )
-
-    def __init__(self, limiter: Any, run: Run | None) -> None:
-        self.limiter = limiter
-        self.limiter_name = str(getattr(limiter, "name", type(limiter).__name__))
-        self.request_id = f"{_prefix}-{next(_request_seq)}"
-        self.run_id = run.run_id if run is not None else None
-        self.root_run_id = run.root_run_id if run is not None else None
-        self.parent_run_id = run.parent_run_id if run is not None else None
-        self.workload: str | None = None
-        self.listening = dispatch.wants(limiter)
-
-    def emit(self, cls: Any, **fields: Any) -> None:
-        if self.listening:
-            dispatch.emit(
-                self.limiter,
-                cls(
-                    limiter=self.limiter_name,
-                    workload=self.workload,
-                    run_id=self.run_id,
-                    root_run_id=self.root_run_id,
-                    parent_run_id=self.parent_run_id,
-                    request_id=self.request_id,
-                    timestamp=time.time(),
-                    **fields,
-                ),
-            )
-
-    def fill(self, exc: ConcurrencyError) -> ConcurrencyError:
-        exc._fill(
-            limiter=self.limiter_name,
-            workload=self.workload,
-            run_id=self.run_id,
-            root_run_id=self.root_run_id,
-            parent_run_id=self.parent_run_id,
-            request_id=self.request_id,
-        )
-        return exc
+def _resolve(limiter: Any, workload: str | None) -> str:
+    validate = getattr(limiter, "validate_workload", None)
+    if validate is not None:
+        return str(validate(workload))
+    return "default" if workload is None else str(workload)
 
 
 def _max_wait(limiter: Any, workload: str) -> float | None:
@@ -463,10 +440,18 @@ class SlotContext(Generic[W]):
         scope, slot._scope = slot._scope, None
         # Only the keeper cancels this scope, and only when the lease is lost: if the scope
         # swallowed a cancellation, the lease-lost error below takes its place.
-        scope.__exit__(exc_type, exc, tb)
-        if self._token is not None:
-            _holding.reset(self._token)
-        lost = slot._lost and scope.cancelled_caught
+        try:
+            scope.__exit__(exc_type, exc, tb)
+        except BaseException:
+            # Exited from another task: an async generator that held the slot across a `yield`
+            # and was finalized by the event loop. The slot must still go back.
+            await slot.release("cancelled")
+            raise
+        finally:
+            if self._token is not None:
+                with contextlib.suppress(ValueError):  # reset from another context
+                    _holding.reset(self._token)
+        lost = slot._lost and (exc_type is None or scope.cancelled_caught)
         if exc_type is None:
             outcome: Outcome = "completed"
         elif lost or isinstance(exc, anyio.get_cancelled_exc_class()):

@@ -11,31 +11,32 @@ import asyncio
 import sys
 from typing import Any
 
-__all__ = ("checkpoint", "loop_identity", "new_waker", "now", "park", "wake")
+__all__ = ("checkpoint", "loop_identity", "new_waker", "now", "park", "trio_running", "wake")
 
 
-def _trio_running() -> bool:
+def trio_running() -> bool:
+    """Whether the calling code runs under trio (else asyncio)."""
     trio = sys.modules.get("trio")
     return trio is not None and bool(trio.lowlevel.in_trio_run())
 
 
 def now() -> float:
     """The running loop's clock, as ``anyio.current_time()`` reads it."""
-    if _trio_running():
+    if trio_running():
         return float(sys.modules["trio"].current_time())
     return asyncio.get_running_loop().time()
 
 
 def loop_identity() -> object:
     """An object that identifies the running event loop for as long as it runs."""
-    if _trio_running():
+    if trio_running():
         return sys.modules["trio"].lowlevel.current_trio_token()
     return asyncio.get_running_loop()
 
 
 async def checkpoint() -> None:
     """Yield to the loop once, raising if the task is cancelled: ``anyio.lowlevel.checkpoint``."""
-    if _trio_running():
+    if trio_running():
         await sys.modules["trio"].lowlevel.checkpoint()
     else:
         await asyncio.sleep(0)
@@ -48,7 +49,7 @@ Waker = Any
 
 def new_waker() -> Waker:
     """A one-shot wake-up call for the current task, set from any task of the same loop."""
-    if _trio_running():
+    if trio_running():
         return _TrioWaker()
     return asyncio.get_running_loop().create_future()
 
