@@ -174,9 +174,10 @@ _keepers: tuple[object, _Keeper] = (object(), _Keeper())
 def _keeper() -> _Keeper:
     global _keepers
     loop = loop_identity()
-    if _keepers[0] is not loop:
-        _keepers = (loop, _Keeper())
-    return _keepers[1]
+    entry = _keepers  # read once: another thread may replace it meanwhile
+    if entry[0] is not loop:
+        entry = _keepers = (loop, _Keeper())
+    return entry[1]
 
 
 def track(slot: Slot) -> None:

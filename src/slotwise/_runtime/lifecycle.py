@@ -493,5 +493,11 @@ def slot(
         ConcurrencyLeaseLostError: on exit, the lease was lost and the body cancelled.
 
     The body's own exception always reaches the caller unchanged.
+
+    Do not hold a slot across a ``yield`` of an async generator: the body's cancel scope
+    cannot follow the generator into its consumer. Take the slot with :func:`acquire` there
+    and release it in the generator's ``finally`` (``slotwise.httpx`` does this for streamed
+    responses). If such a generator is abandoned anyway, its slot is still released when the
+    event loop finalizes it.
     """
     return SlotContext(workload, limiter, allow_nested)
