@@ -47,7 +47,7 @@ from .._events import (
 )
 from .._protocol import AcquireRequest, SupportsLease
 from . import dispatch, keeper
-from .loop import checkpoint, now, trio_running
+from .loop import cancel_scope, checkpoint, now, trio_running
 from .runs import Run, current_run
 
 __all__ = ("Slot", "acquire", "slot")
@@ -143,7 +143,7 @@ class Slot:
         self._renewed_at = 0.0
         self._released = True  # nothing is held until a lease is granted
         self._lost = False
-        self._scope: anyio.CancelScope | None = None
+        self._scope: Any = None  # the body's cancel scope, while in `async with`
         self._keeper: Any = None
         self._ttl = 0.0
 
@@ -424,7 +424,7 @@ class SlotContext(Generic[W]):
         self._slot = slot
         if slot.lease is not None:
             self._token = _holding.set((*_holding.get(), slot))
-            slot._scope = anyio.CancelScope()
+            slot._scope = cancel_scope()
             slot._scope.__enter__()
         return slot
 
