@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import Generic, TypeVar, final, overload
+from collections.abc import Mapping
+from typing import TypeVar, final, overload
 
 import anyio
 
+from ._base import BuiltinLimiter
 from ._config import Settings, Workload, build_settings, resolve_workload
 from ._core.state import LimiterState, Ticket
 from ._errors import ConcurrencyTimeoutError
-from ._events import ConcurrencyEvent
 from ._protocol import AcquireRequest, Lease, SupportsLease
-from ._runtime import dispatch
-from ._runtime.lifecycle import SlotContext, slot
 from ._runtime.loop import checkpoint, new_waker, park, wake
 from ._runtime.loop import now as current_time
 from ._stats import LimiterStats, WorkloadStats
@@ -25,7 +23,7 @@ W = TypeVar("W", bound=str)
 
 
 @final
-class MemoryLimiter(Generic[W]):
+class MemoryLimiter(BuiltinLimiter[W]):
     """A limiter whose slots live in this process.
 
     It can be built at module level, outside any event loop, and used from asyncio and trio.
@@ -60,7 +58,7 @@ class MemoryLimiter(Generic[W]):
     (or key ``workloads`` by a ``StrEnum``) and ``slot(workload="typo")`` is a type error.
     """
 
-    __slots__ = ("__weakref__", "_settings", "_state", "_watch_until", "_watcher")
+    __slots__ = ("_state", "_watch_until", "_watcher")
 
     @overload
     def __init__(
@@ -114,55 +112,7 @@ class MemoryLimiter(Generic[W]):
         self._watcher: Ticket | None = None
         self._watch_until = math.inf  # when the sleeping watcher's alarm rings
 
-    # -- settings -------------------------------------------------------------------------
-
-    @property
-    def name(self) -> str:
-        """The limiter's name."""
-        return self._settings.name
-
-    @property
-    def max_concurrent(self) -> int:
-        """Slots in all."""
-        return self._settings.max_concurrent
-
-    @property
-    def max_queued(self) -> int | None:
-        """Waiting requests allowed; None: unbounded."""
-        return self._settings.max_queued
-
-    @property
-    def lease_ttl(self) -> float:
-        """Seconds a lease lives without renewal."""
-        return self._settings.lease_ttl
-
-    @property
-    def workloads(self) -> Mapping[str, Workload]:
-        """The workloads, by name."""
-        return self._settings.workloads
-
-    @property
-    def default_workload(self) -> str | None:
-        """The workload of requests that name none, or None when each must name one."""
-        return self._settings.default_workload
-
-    def validate_workload(self, workload: str | None) -> str:
-        """Resolve a request's workload name (None: the default).
-
-        Raises:
-            ConcurrencyConfigError: unknown, or None with several workloads and no default.
-        """
-        return resolve_workload(self._settings, workload)
-
     # -- the user's surface ---------------------------------------------------------------
-
-    def slot(self, workload: W | None = None, *, allow_nested: bool = False) -> SlotContext[W]:
-        """``async with limiter.slot(workload=...)``: :func:`slotwise.slot` with this limiter."""
-        return slot(workload, limiter=self, allow_nested=allow_nested)
-
-    def subscribe(self, callback: Callable[[ConcurrencyEvent], object]) -> Callable[[], None]:
-        """Receive every event of this limiter; returns the function that unsubscribes."""
-        return dispatch.subscribe(callback, self)
 
     async def stats(self) -> LimiterStats:
         """Active and queued requests, in total and per workload."""

@@ -99,10 +99,12 @@ async def test_slots_never_exceed_the_limits_under_cancellation(make: Any) -> No
         with anyio.move_on_after(rng.uniform(0, 0.2) if rng.random() < 0.3 else None):
             async with limiter.slot(workload):
                 active[workload] += 1
-                peak[workload] = max(peak[workload], active[workload])
-                peak["total"] = max(peak["total"], sum(active.values()))
-                await anyio.sleep(rng.uniform(0, 0.02))
-                active[workload] -= 1
+                try:
+                    peak[workload] = max(peak[workload], active[workload])
+                    peak["total"] = max(peak["total"], sum(active.values()))
+                    await anyio.sleep(rng.uniform(0, 0.02))
+                finally:  # a body cancelled by move_on_after leaves too
+                    active[workload] -= 1
 
     async with anyio.create_task_group() as tg:
         for _ in range(60):
@@ -291,9 +293,11 @@ async def test_connection_loss_recovers_without_over_grant(
         try:
             async with limiter.slot():
                 active += 1
-                peak = max(peak, active)
-                await anyio.sleep(0.02)
-                active -= 1
+                try:
+                    peak = max(peak, active)
+                    await anyio.sleep(0.02)
+                finally:
+                    active -= 1
         except slotwise.ConcurrencyLimiterError as exc:
             errors.append(exc)
 

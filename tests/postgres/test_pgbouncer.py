@@ -43,10 +43,12 @@ async def test_through_pgbouncer_in_transaction_mode(
             with anyio.move_on_after(rng.uniform(0, 0.3) if rng.random() < 0.2 else None):
                 async with limiter.slot(workload):
                     active[workload] += 1
-                    peak[workload] = max(peak[workload], active[workload])
-                    peak["total"] = max(peak["total"], sum(active.values()))
-                    await anyio.sleep(rng.uniform(0, 0.02))
-                    active[workload] -= 1
+                    try:
+                        peak[workload] = max(peak[workload], active[workload])
+                        peak["total"] = max(peak["total"], sum(active.values()))
+                        await anyio.sleep(rng.uniform(0, 0.02))
+                    finally:  # a body cancelled by move_on_after leaves too
+                        active[workload] -= 1
 
         async with anyio.create_task_group() as tg:
             for _ in range(40):

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from types import TracebackType
-from typing import Any, Generic, Literal, TypeVar, final
+from typing import Any, Literal, TypeVar, final
 
 import anyio
 import attrs
@@ -21,6 +21,7 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool
 
+from .._base import BuiltinLimiter
 from .._config import Settings, Workload, build_settings, resolve_workload
 from .._core.rules import allocate
 from .._errors import (
@@ -29,10 +30,7 @@ from .._errors import (
     ConcurrencyQueueFullError,
     ConcurrencyTimeoutError,
 )
-from .._events import ConcurrencyEvent
 from .._protocol import AcquireRequest, Lease, SupportsLease
-from .._runtime import dispatch
-from .._runtime.lifecycle import SlotContext, slot
 from .._stats import LimiterStats, WorkloadStats
 from ._schema import channel_name, schema_ddl
 
@@ -78,7 +76,7 @@ class _Waiter:
 
 
 @final
-class PostgresLimiter(Generic[W]):
+class PostgresLimiter(BuiltinLimiter[W]):
     """A limiter whose slots live in PostgreSQL, shared by every process using its name.
 
     Each allocation is one short transaction that holds the limiter's row lock and runs the
@@ -133,7 +131,6 @@ class PostgresLimiter(Generic[W]):
     """
 
     __slots__ = (
-        "__weakref__",
         "_beat_at",
         "_channel",
         "_kick",
@@ -145,7 +142,6 @@ class PostgresLimiter(Generic[W]):
         "_pool",
         "_q",
         "_queue_entry_ttl",
-        "_settings",
         "_settings_json",
         "_start_lock",
         "_started",
@@ -234,62 +230,14 @@ class PostgresLimiter(Generic[W]):
     # -- settings -------------------------------------------------------------------------
 
     @property
-    def name(self) -> str:
-        """The limiter's name, shared by every process that uses it."""
-        return self._settings.name
-
-    @property
-    def max_concurrent(self) -> int:
-        """Slots in all, across every process."""
-        return self._settings.max_concurrent
-
-    @property
-    def max_queued(self) -> int | None:
-        """Waiting requests allowed across every process; None: unbounded."""
-        return self._settings.max_queued
-
-    @property
-    def lease_ttl(self) -> float:
-        """Seconds a lease lives without renewal."""
-        return self._settings.lease_ttl
-
-    @property
     def queue_entry_ttl(self) -> float:
         """Seconds a queue entry lives once its process stops refreshing it."""
         return self._queue_entry_ttl
 
     @property
-    def workloads(self) -> Mapping[str, Workload]:
-        """The workloads, by name."""
-        return self._settings.workloads
-
-    @property
-    def default_workload(self) -> str | None:
-        """The workload of requests that name none, or None when each must name one."""
-        return self._settings.default_workload
-
-    @property
     def pool(self) -> AsyncConnectionPool[Any]:
         """The connection pool the limiter uses."""
         return self._pool
-
-    def validate_workload(self, workload: str | None) -> str:
-        """Resolve a request's workload name (None: the default).
-
-        Raises:
-            ConcurrencyConfigError: unknown, or None with several workloads and no default.
-        """
-        return resolve_workload(self._settings, workload)
-
-    # -- the user's surface ---------------------------------------------------------------
-
-    def slot(self, workload: W | None = None, *, allow_nested: bool = False) -> SlotContext[W]:
-        """``async with limiter.slot(workload=...)``: :func:`slotwise.slot` with this limiter."""
-        return slot(workload, limiter=self, allow_nested=allow_nested)
-
-    def subscribe(self, callback: Callable[[ConcurrencyEvent], object]) -> Callable[[], None]:
-        """Receive every event of this limiter; returns the function that unsubscribes."""
-        return dispatch.subscribe(callback, self)
 
     async def __aenter__(self) -> PostgresLimiter[W]:
         await self.start()

@@ -1,0 +1,68 @@
+"""What every built-in limiter offers beside the Limiter protocol: its settings, ``slot()``
+and ``subscribe()``."""
+
+from collections.abc import Callable, Mapping
+from typing import Generic, TypeVar
+
+from ._config import Settings, Workload, resolve_workload
+from ._events import ConcurrencyEvent
+from ._runtime import dispatch
+from ._runtime.lifecycle import SlotContext, slot
+
+__all__ = ("BuiltinLimiter",)
+
+W = TypeVar("W", bound=str)
+
+
+class BuiltinLimiter(Generic[W]):
+    """The settings and the user's surface shared by MemoryLimiter and PostgresLimiter."""
+
+    __slots__ = ("__weakref__", "_settings")
+
+    _settings: Settings
+
+    @property
+    def name(self) -> str:
+        """The limiter's name (every process using a shared limiter's name shares its slots)."""
+        return self._settings.name
+
+    @property
+    def max_concurrent(self) -> int:
+        """Slots in all."""
+        return self._settings.max_concurrent
+
+    @property
+    def max_queued(self) -> int | None:
+        """Waiting requests allowed; None: unbounded."""
+        return self._settings.max_queued
+
+    @property
+    def lease_ttl(self) -> float:
+        """Seconds a lease lives without renewal."""
+        return self._settings.lease_ttl
+
+    @property
+    def workloads(self) -> Mapping[str, Workload]:
+        """The workloads, by name."""
+        return self._settings.workloads
+
+    @property
+    def default_workload(self) -> str | None:
+        """The workload of requests that name none, or None when each must name one."""
+        return self._settings.default_workload
+
+    def validate_workload(self, workload: str | None) -> str:
+        """Resolve a request's workload name (None: the default).
+
+        Raises:
+            ConcurrencyConfigError: unknown, or None with several workloads and no default.
+        """
+        return resolve_workload(self._settings, workload)
+
+    def slot(self, workload: W | None = None, *, allow_nested: bool = False) -> SlotContext[W]:
+        """``async with limiter.slot(workload=...)``: :func:`slotwise.slot` with this limiter."""
+        return slot(workload, limiter=self, allow_nested=allow_nested)
+
+    def subscribe(self, callback: Callable[[ConcurrencyEvent], object]) -> Callable[[], None]:
+        """Receive every event of this limiter; returns the function that unsubscribes."""
+        return dispatch.subscribe(callback, self)
