@@ -218,31 +218,23 @@ class Slot:
         if self._scope is not None:
             self._scope.cancel()
 
+    def _context(self) -> dict[str, str | None]:
+        """What every event and error of this request carries."""
+        return {
+            "limiter": self.limiter_name,
+            "workload": self.workload,
+            "run_id": self.run_id,
+            "root_run_id": self.root_run_id,
+            "parent_run_id": self.parent_run_id,
+            "request_id": self.request_id,
+        }
+
     def _emit(self, cls: Any, **fields: Any) -> None:
         if dispatch.wants(self.limiter):
-            dispatch.emit(
-                self.limiter,
-                cls(
-                    limiter=self.limiter_name,
-                    workload=self.workload,
-                    run_id=self.run_id,
-                    root_run_id=self.root_run_id,
-                    parent_run_id=self.parent_run_id,
-                    request_id=self.request_id,
-                    timestamp=time.time(),
-                    **fields,
-                ),
-            )
+            dispatch.emit(self.limiter, cls(timestamp=time.time(), **self._context(), **fields))
 
     def _fill(self, exc: ConcurrencyError) -> ConcurrencyError:
-        exc._fill(
-            limiter=self.limiter_name,
-            workload=self.workload,
-            run_id=self.run_id,
-            root_run_id=self.root_run_id,
-            parent_run_id=self.parent_run_id,
-            request_id=self.request_id,
-        )
+        exc._fill(**self._context())
         return exc
 
     def __repr__(self) -> str:
@@ -463,12 +455,7 @@ class SlotContext(Generic[W]):
             raise ConcurrencyLeaseLostError(
                 "the slot's lease was lost while the body ran; the body was cancelled",
                 lease_id=slot.lease_id,
-                limiter=slot.limiter_name,
-                workload=slot.workload,
-                run_id=slot.run_id,
-                root_run_id=slot.root_run_id,
-                parent_run_id=slot.parent_run_id,
-                request_id=slot.request_id,
+                **slot._context(),
             ) from None
 
 
