@@ -15,8 +15,9 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar, Token
+from functools import partial
 from types import TracebackType
 from typing import Any, Generic, TypeVar, final
 
@@ -64,21 +65,41 @@ _holding: ContextVar[tuple[Slot, ...]] = ContextVar("slotwise_holding", default=
 _releasing: set[asyncio.Future[Any]] = set()
 
 
-async def _release_shielded(limiter: Any, lease: SupportsLease) -> None:
-    """``await limiter.release(lease)`` to the end, whatever cancels the caller.
+async def _release_shielded(
+    limiter: Any,
+    lease: SupportsLease,
+    done: Callable[[Exception | None], None] = lambda error: None,
+) -> None:
+    """``await limiter.release(lease)`` to the end, whatever cancels the caller, then call
+    ``done`` with the exception the release raised (or None) exactly once.
 
     anyio's shield stops anyio's cancellations only: on asyncio a native cancellation
     (``task.cancel()``, ``asyncio.timeout``, ``asyncio.TaskGroup``) goes through it, so there the
-    release runs in a task of its own that the caller's cancellation cannot interrupt.
+    release runs in a task of its own that the caller's cancellation cannot interrupt, and
+    ``done`` runs when that task ends, even if the caller has gone.
     """
     with anyio.CancelScope(shield=True):
         if trio_running():
-            await limiter.release(lease)
+            try:
+                await limiter.release(lease)
+            except Exception as exc:
+                done(exc)
+            else:
+                done(None)
             return
         task = asyncio.ensure_future(limiter.release(lease))
         _releasing.add(task)
         task.add_done_callback(_releasing.discard)
-        await asyncio.shield(task)
+        task.add_done_callback(lambda task: done(_outcome_of(task)))
+        with contextlib.suppress(Exception):
+            await asyncio.shield(task)
+
+
+def _outcome_of(task: asyncio.Future[Any]) -> Exception | None:
+    if task.cancelled():
+        return RuntimeError("the release was cancelled")
+    error = task.exception()
+    return error if isinstance(error, Exception) or error is None else RuntimeError(repr(error))
 
 
 def _describe(exc: BaseException) -> str:
@@ -178,23 +199,26 @@ class Slot:
         self._released = True
         keeper.forget(self)
         lease = self.lease
-        try:
-            release_nowait = getattr(self.limiter, "release_nowait", None)
-            if release_nowait is not None:
-                release_nowait(lease)
-            else:
-                await _release_shielded(self.limiter, lease)
-        except Exception as exc:
-            _logger.warning(
-                "slotwise: releasing lease %s failed: %s", lease.lease_id, _describe(exc)
-            )
-            if dispatch.wants(self.limiter):
-                self._emit(ReleaseFailedEvent, lease_id=lease.lease_id, error=_describe(exc))
+        release_nowait = getattr(self.limiter, "release_nowait", None)
+        if release_nowait is None:
+            await _release_shielded(self.limiter, lease, partial(self._released_as, outcome))
             return
-        if dispatch.wants(self.limiter):
+        try:
+            release_nowait(lease)
+        except Exception as exc:
+            self._released_as(outcome, exc)
+        else:
+            self._released_as(outcome, None)
+
+    def _released_as(self, outcome: Outcome, error: Exception | None) -> None:
+        lease_id = self.lease_id or ""
+        if error is not None:
+            _logger.warning("slotwise: releasing lease %s failed: %s", lease_id, _describe(error))
+            self._emit(ReleaseFailedEvent, lease_id=lease_id, error=_describe(error))
+        elif dispatch.wants(self.limiter):
             self._emit(
                 ReleasedEvent,
-                lease_id=lease.lease_id,
+                lease_id=lease_id,
                 hold_time=now() - self._acquired_at,
                 outcome=outcome,
             )
@@ -444,10 +468,10 @@ class SlotContext(Generic[W]):
                 with contextlib.suppress(ValueError):  # reset from another context
                     _holding.reset(self._token)
         lost = slot._lost and (exc_type is None or scope.cancelled_caught)
-        if exc_type is None:
-            outcome: Outcome = "completed"
-        elif lost or isinstance(exc, anyio.get_cancelled_exc_class()):
-            outcome = "cancelled"
+        if lost or (exc_type is not None and isinstance(exc, anyio.get_cancelled_exc_class())):
+            outcome: Outcome = "cancelled"
+        elif exc_type is None:
+            outcome = "completed"
         else:
             outcome = "failed"
         await slot.release(outcome)
