@@ -7,11 +7,20 @@ from typing import Any
 import attrs
 
 from ._core.rules import Rules, WorkloadRule
-from ._errors import ConcurrencyConfigError
+from ._errors import ConcurrencyConfigError, ConcurrencyTimeoutError
 
-__all__ = ("DEFAULT_WORKLOAD", "Settings", "Workload", "build_settings")
+__all__ = (
+    "DEFAULT_LEASE_TTL",
+    "DEFAULT_WORKLOAD",
+    "Settings",
+    "Workload",
+    "build_settings",
+    "resolve_workload",
+    "wait_timeout",
+)
 
 DEFAULT_WORKLOAD = "default"
+DEFAULT_LEASE_TTL = 30.0
 
 
 @attrs.frozen(kw_only=True)
@@ -185,3 +194,15 @@ def resolve_workload(settings: Settings, workload: str | None) -> str:
             f"{', '.join(map(repr, settings.workloads))}"
         )
     return name
+
+
+def wait_timeout(
+    waited: float, max_wait: float | None, by_max_wait: bool
+) -> ConcurrencyTimeoutError:
+    """The error of a request that waited ``waited`` seconds without a slot: the same words
+    from every built-in limiter."""
+    if by_max_wait and max_wait is not None:
+        return ConcurrencyTimeoutError(
+            f"no slot within {waited:.3f}s: the workload's max_wait is {max_wait:g}s"
+        )
+    return ConcurrencyTimeoutError(f"no slot within {waited:.3f}s: the run's budget ended")

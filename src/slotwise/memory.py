@@ -9,9 +9,15 @@ from typing import TypeVar, final, overload
 import anyio
 
 from ._base import BuiltinLimiter
-from ._config import Settings, Workload, build_settings, resolve_workload
+from ._config import (
+    DEFAULT_LEASE_TTL,
+    Settings,
+    Workload,
+    build_settings,
+    resolve_workload,
+    wait_timeout,
+)
 from ._core.state import LimiterState, Ticket
-from ._errors import ConcurrencyTimeoutError
 from ._protocol import AcquireRequest, Lease, SupportsLease
 from ._runtime.loop import checkpoint, new_waker, park, wake
 from ._runtime.loop import now as current_time
@@ -90,7 +96,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         name: str = "default",
         max_concurrent: int,
         max_queued: int | None = None,
-        lease_ttl: float = 30.0,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
         workloads: Mapping[W, Workload] | None = None,
         default_workload: str | None = None,
     ) -> None:
@@ -179,9 +185,11 @@ class MemoryLimiter(BuiltinLimiter[W]):
             raise
         if ticket.lease is None:
             self._leave(ticket)
-            raise ConcurrencyTimeoutError(
-                f"no slot within {now - ticket.enqueued_at:.3f}s"
-                + (f", max_wait={max_wait}" if max_wait is not None else "")
+            raise wait_timeout(
+                now - ticket.enqueued_at,
+                max_wait,
+                max_wait is not None
+                and (request.deadline is None or ticket.enqueued_at + max_wait <= request.deadline),
             )
         self._leave_watch(ticket)
         return self._lease(ticket)

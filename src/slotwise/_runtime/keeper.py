@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .._config import DEFAULT_LEASE_TTL
 from .loop import loop_identity, now
 
 if TYPE_CHECKING:
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 
 __all__ = ("DEFAULT_LEASE_TTL", "forget", "lease_ttl", "track")
 
-DEFAULT_LEASE_TTL = 30.0
 _RETRY_FRACTION = 0.1  # after a failed renewal, retry after this fraction of the TTL
 _IDLE_LINGER = 5.0  # seconds an idle keeper waits for new slots before it ends
 

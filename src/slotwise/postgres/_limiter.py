@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from types import TracebackType
-from typing import Any, Literal, TypeVar, final
+from typing import Any, Literal, TypeVar, final, overload
 
 import anyio
 import attrs
@@ -22,13 +22,19 @@ from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool
 
 from .._base import BuiltinLimiter
-from .._config import Settings, Workload, build_settings, resolve_workload
+from .._config import (
+    DEFAULT_LEASE_TTL,
+    Settings,
+    Workload,
+    build_settings,
+    resolve_workload,
+    wait_timeout,
+)
 from .._core.rules import allocate
 from .._errors import (
     ConcurrencyConfigError,
     ConcurrencyLimiterError,
     ConcurrencyQueueFullError,
-    ConcurrencyTimeoutError,
 )
 from .._protocol import AcquireRequest, Lease, SupportsLease
 from .._stats import LimiterStats, WorkloadStats
@@ -153,6 +159,46 @@ class PostgresLimiter(BuiltinLimiter[W]):
         "synchronous_commit",
     )
 
+    @overload
+    def __init__(
+        self: PostgresLimiter[str],
+        conninfo: str | AsyncConnectionPool[Any],
+        *,
+        name: str = ...,
+        max_concurrent: int,
+        max_queued: int | None = ...,
+        lease_ttl: float = ...,
+        workloads: None = ...,
+        default_workload: str | None = ...,
+        poll_interval: float = ...,
+        queue_entry_ttl: float = ...,
+        schema: str = ...,
+        ensure_schema: bool = ...,
+        on_conflict: Literal["error", "replace"] = ...,
+        listen: bool | str = ...,
+        synchronous_commit: bool = ...,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        conninfo: str | AsyncConnectionPool[Any],
+        *,
+        name: str = ...,
+        max_concurrent: int,
+        max_queued: int | None = ...,
+        lease_ttl: float = ...,
+        workloads: Mapping[W, Workload],
+        default_workload: W | None = ...,
+        poll_interval: float = ...,
+        queue_entry_ttl: float = ...,
+        schema: str = ...,
+        ensure_schema: bool = ...,
+        on_conflict: Literal["error", "replace"] = ...,
+        listen: bool | str = ...,
+        synchronous_commit: bool = ...,
+    ) -> None: ...
+
     def __init__(
         self,
         conninfo: str | AsyncConnectionPool[Any],
@@ -160,9 +206,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
         name: str = "default",
         max_concurrent: int,
         max_queued: int | None = None,
-        lease_ttl: float = 30.0,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
         workloads: Mapping[W, Workload] | None = None,
-        default_workload: W | None = None,
+        default_workload: str | None = None,
         poll_interval: float = 0.1,
         queue_entry_ttl: float = 15.0,
         schema: str = "slotwise",
@@ -388,9 +434,11 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 waiter.lease = lease
                 await checkpoint_if_cancelled()
                 return lease
-            raise ConcurrencyTimeoutError(
-                f"no slot within {anyio.current_time() - started:.3f}s"
-                + (f" (max_wait={max_wait})" if max_wait is not None else "")
+            raise wait_timeout(
+                anyio.current_time() - started,
+                max_wait,
+                max_wait is not None
+                and (request.deadline is None or started + max_wait <= request.deadline),
             )
         except BaseException:
             # Cancelled or failed: leave the queue and give back a slot granted in the same
