@@ -4,7 +4,7 @@
 
 Runs in a database of its own (``slotwise_bench``, created if missing) so that the server's
 transaction counters count this benchmark alone. Three measurements, each against the
-reference design in the same run (``seed``: every waiting request runs its own allocation
+reference design in the same run (``polling``: every waiting request runs its own allocation
 transaction every ``poll_interval``, no notifications):
 
 1. idle queue: 200 waiting requests in 4 processes, every slot held, poll_interval 100 ms:
@@ -41,7 +41,7 @@ BENCH_DB = "slotwise_bench"
 # -- the reference design: one allocation transaction per waiter per poll ------------------
 
 
-async def seed_acquire(limiter: PostgresLimiter[Any], request: AcquireRequest) -> Any:
+async def polling_acquire(limiter: PostgresLimiter[Any], request: AcquireRequest) -> Any:
     """Acquire as the reference implementation does: each waiter polls on its own."""
     import uuid
 
@@ -76,8 +76,8 @@ def limiter_for(spec: dict[str, Any]) -> PostgresLimiter[Any]:
 
 async def acquire(limiter: PostgresLimiter[Any], design: str) -> Any:
     request = AcquireRequest(workload="default", request_id="r")
-    if design == "seed":
-        return await seed_acquire(limiter, request)
+    if design == "polling":
+        return await polling_acquire(limiter, request)
     return await limiter.acquire(request)
 
 
@@ -296,15 +296,15 @@ async def main(admin_dsn: str) -> None:
     dsn = prepare(admin_dsn)
     report: dict[str, Any] = {"cpu_count": os.cpu_count(), "load_before": os.getloadavg()}
     for durable in (True, False):
-        for design in ("seed", "notify"):
+        for design in ("polling", "notify"):
             key = f"idle_queue[{design}, durable={durable}]"
             report[key] = await idle_queue(dsn, design, durable)
             print(key, report[key], flush=True)
-    for design, durable in (("seed", True), ("notify", True), ("notify", False)):
+    for design, durable in (("polling", True), ("notify", True), ("notify", False)):
         key = f"latency[{design}, durable={durable}]"
         report[key] = await latency(dsn, design, durable)
         print(key, report[key], flush=True)
-    for design in ("seed", "notify"):
+    for design in ("polling", "notify"):
         for durable in (True, False):
             key = f"grants_per_s[{design}, durable={durable}]"
             report[key] = await throughput(dsn, design, durable)

@@ -1,4 +1,4 @@
-"""Settings: every invalid setting of API.md fails when the limiter is created, with a
+"""Settings: every invalid setting the docs list fails when the limiter is created, with a
 ``ConcurrencyConfigError`` (also a ``ValueError``) whose message names the setting; the valid
 edge cases are accepted; a request without a usable workload fails before it waits."""
 

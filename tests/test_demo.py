@@ -43,17 +43,17 @@ async def test_summary_shows_limits_held() -> None:
     finally:
         unsubscribe()
 
-    assert [f.key for f in result.fleets] == ["seed", "priority-only", "one-queue"]
+    assert [f.key for f in result.fleets] == ["example", "priority-only", "one-queue"]
     for fleet in result.fleets:
         assert 0 < fleet.peak_total <= MAX_CONCURRENT
         for workload in fleet.workloads.values():
             assert workload.peak <= workload.limit
         assert (fleet.leftover_active, fleet.leftover_queued) == (0, 0)
-    seed = result.fleets[0].workloads
-    assert (seed["interactive"].limit, seed["background"].limit) == (8, 6)
-    assert seed["background"].peak == 6  # the load saturates background work
-    assert seed["interactive"].served > 0
-    assert sum(w.queue_full for w in seed.values()) > 0  # the batch overflows the queue
+    example = result.fleets[0].workloads
+    assert (example["interactive"].limit, example["background"].limit) == (8, 6)
+    assert example["background"].peak == 6  # the load saturates background work
+    assert example["interactive"].served > 0
+    assert sum(w.queue_full for w in example.values()) > 0  # the batch overflows the queue
     assert result.held
 
     text = summary(result)

@@ -50,7 +50,7 @@ COMMON = {
     "timestamp",
 }
 
-# The table of API.md: kind -> (class, extra fields).
+# The documented table of events: kind -> (class, extra fields).
 TABLE: dict[str, tuple[type[Any], set[str]]] = {
     "wait-started": (WaitStartedEvent, {"deadline"}),
     "acquired": (AcquiredEvent, {"lease_id", "wait_time"}),

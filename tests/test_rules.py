@@ -1,6 +1,6 @@
-"""The allocation rules of API.md on hand-made cases: ``has_room`` and ``allocate``.
+"""The allocation rules on hand-made cases: ``has_room`` and ``allocate``.
 
-The seed's example limiter is used throughout: 8 slots, ``interactive`` reserves 2 with
+The README's example limiter is used throughout: 8 slots, ``interactive`` reserves 2 with
 priority 10, ``background`` has a ceiling of 6.
 """
 
@@ -47,7 +47,7 @@ def grant(
     return allocate(limits, active, queues, arrival)
 
 
-# -- the seed's example --------------------------------------------------------------------
+# -- the README's example --------------------------------------------------------------------
 
 
 def test_shared_capacity_is_what_reservations_leave() -> None:

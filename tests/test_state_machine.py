@@ -1,7 +1,7 @@
-"""The allocation rules of API.md, checked on the pure ``LimiterState`` by a Hypothesis
+"""The allocation rules (docs/explanation/allocation.md), checked on the pure ``LimiterState`` by a Hypothesis
 state machine.
 
-The machine keeps its own model of the queues and leases, written from API.md's sentences
+The machine keeps its own model of the queues and leases, written from the rules' sentences
 rather than from the code under test, and after every operation checks:
 
 - the number of valid leases never exceeds ``max_concurrent``, nor any workload's ceiling;
@@ -60,7 +60,7 @@ def limits(draw: st.DrawFn) -> Rules:
 
 
 def has_room(rules: Rules, active: Mapping[str, int], workload: str) -> bool:
-    """API.md: a_w < c_w and (a_w < r_w or sum_v max(0, a_v - r_v) < S)."""
+    """The rule: a_w < c_w and (a_w < r_w or sum_v max(0, a_v - r_v) < S)."""
     rule = rules.workloads[workload]
     a_w = active[workload]
     beyond_reservations = sum(max(0, active[v] - r.reserved) for v, r in rules.workloads.items())

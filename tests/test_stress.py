@@ -1,7 +1,7 @@
 """Random schedules: the limits hold, and nothing leaks, whatever is cancelled when.
 
 Every body counts itself in and out, so the test sees how many requests actually run at
-once, per workload and in total; a monitor checks the allocation invariants of API.md on the
+once, per workload and in total; a monitor checks the documented allocation invariants on the
 limiter's own stats while the schedule runs; at the end every slot must be free and grantable.
 
 The Hypothesis tests drive each schedule from a random seed and run it with ``anyio.run``: on
@@ -77,7 +77,7 @@ class Config:
 
 
 def has_room(config: Config, active: Mapping[str, int], workload: str) -> bool:
-    """The rule of API.md, written out again independently of the library."""
+    """The allocation rule, written out again independently of the library."""
     rules = config.rules()
     shared = config.max_concurrent - sum(r.reserved for r in rules.values())
     in_shared = sum(max(0, active[name] - rule.reserved) for name, rule in rules.items())

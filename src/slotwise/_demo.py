@@ -4,7 +4,7 @@ Everything is offline. Interactive chats and background jobs run agents; an agen
 may start child agents (child runs of ``slotwise.run``). Every provider request holds one
 slot, and a simulated provider answers with a lognormal time to first token plus a
 lognormal streaming time. Time runs :data:`SPEEDUP` times faster than real time, so the
-seed's waits are scaled by the same factor.
+example's waits are scaled by the same factor.
 
 The same trace is replayed, at the same time, against two limiters without the
 reservation, so the summary can say what the reservation bought the interactive workload.
@@ -61,8 +61,8 @@ def _scaled(seconds: float) -> float:
     return seconds / SPEEDUP
 
 
-def seed_workloads() -> dict[str, Workload]:
-    """The seed's example workloads, with waits scaled to the demo's clock."""
+def example_workloads() -> dict[str, Workload]:
+    """The example workloads, with waits scaled to the demo's clock."""
     return {
         "interactive": Workload(reserved=2, priority=10, max_wait=_scaled(60.0)),
         "background": Workload(max_concurrent=6, max_wait=_scaled(300.0)),
@@ -171,11 +171,11 @@ class Variant:
 
 
 def variants() -> tuple[Variant, ...]:
-    """The seed's limiter, then the same 8 slots without the reservation."""
-    seed = seed_workloads()
-    interactive, background = seed["interactive"], seed["background"]
+    """The example limiter, then the same 8 slots without the reservation."""
+    example = example_workloads()
+    interactive, background = example["interactive"], example["background"]
     return (
-        Variant(key="seed", title="the seed's workloads", workloads=seed),
+        Variant(key="example", title="the example workloads", workloads=example),
         Variant(
             key="priority-only",
             title="no reservation, priority kept",
@@ -336,7 +336,7 @@ class FleetResult:
 
 @attrs.frozen(kw_only=True)
 class Sample:
-    """The seed limiter's counts at one moment."""
+    """The example limiter's counts at one moment."""
 
     t: float
     active: Mapping[str, int]
@@ -395,7 +395,7 @@ def fmt_seconds(value: float | None) -> str:
 
 
 class LiveView:
-    """The seed limiter's workloads, redrawn in place on a terminal, else printed as lines."""
+    """The example limiter's workloads, redrawn in place on a terminal, else printed as lines."""
 
     def __init__(self, out: TextIO, fleets: Sequence[Fleet], seconds: float) -> None:
         self.out = out
@@ -478,7 +478,7 @@ async def run_demo(
     configs: Sequence[Variant] | None = None,
     make_limiter: Callable[[Variant], MemoryLimiter[str]] | None = None,
 ) -> DemoResult:
-    """Play the trace against the seed's limiter (and the replays) and measure it.
+    """Play the trace against the example limiter (and the replays) and measure it.
 
     Args:
         seconds: How long the fleet runs; at the end it is cancelled.
@@ -677,7 +677,7 @@ def plot_available() -> bool:
 
 
 def plot(result: DemoResult, path: str) -> None:
-    """Write the seed limiter's timeline, and the interactive waits of every replay, as a PNG."""
+    """Write the example limiter's timeline, and the interactive waits of every replay, as a PNG."""
     from matplotlib.figure import Figure  # type: ignore[import-not-found, unused-ignore]
 
     colors = {"interactive": "tab:orange", "background": "tab:blue"}
@@ -708,7 +708,7 @@ def plot(result: DemoResult, path: str) -> None:
     )
     active.set_ylim(0, main.max_concurrent + 1.5)
     active.set_ylabel("slots in use")
-    active.set_title("seed workloads: interactive reserved 2, priority 10; background ceiling 6")
+    active.set_title("example workloads: interactive reserved 2, priority 10; background ceiling 6")
     active.legend(loc="upper left", fontsize="small", ncols=4)
     for w in WORKLOADS:
         queued.step(
@@ -718,7 +718,7 @@ def plot(result: DemoResult, path: str) -> None:
     queued.set_ylim(0, MAX_QUEUED * 1.25)
     queued.set_ylabel("waiting requests")
     queued.legend(loc="upper left", fontsize="small", ncols=3)
-    looks = {"seed": ("o", "black"), "priority-only": ("s", "tab:purple")}
+    looks = {"example": ("o", "black"), "priority-only": ("s", "tab:purple")}
     for fleet in result.fleets:
         marker, color = looks.get(fleet.key, ("^", "tab:red"))
         figures = fleet.workloads["interactive"]
@@ -776,7 +776,7 @@ def main(
     if plot_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(plot_path))):
         print(f"--plot: the folder of {plot_path} does not exist", file=sys.stderr)
         return 2
-    settings = seed_workloads()
+    settings = example_workloads()
     out.write(
         f"slotwise demo: chats and background agents (tools start child runs) share one "
         f"MemoryLimiter: {MAX_CONCURRENT} slots, max_queued {MAX_QUEUED}.\n"
@@ -784,7 +784,7 @@ def main(
         f"  background:  max_concurrent 6, max_wait {fmt_seconds(settings['background'].max_wait)}\n"
         f"The provider is simulated (lognormal time to first token plus streaming) and time "
         f"runs {SPEEDUP:g}x faster: {seconds:g} s here are {seconds * SPEEDUP / 60:g} minutes "
-        f"of traffic, and the seed's waits (60 s, 300 s) are scaled alike. A batch of "
+        f"of traffic, and the example's waits (60 s, 300 s) are scaled alike. A batch of "
         f"{BATCH_SIZE} background jobs arrives at {seconds * BATCH_AT:g} s.\n\n"
     )
     out.flush()

@@ -1,7 +1,7 @@
 """The structured events a limiter emits, one frozen class per ``kind``.
 
 Events identify the limiter, the workload, the run lineage and the request, and carry only the
-fields listed in API.md: never a prompt, an argument, a header or a credential.
+fields below: never a prompt, an argument, a header or a credential.
 """
 
 from typing import Literal, TypeAlias

@@ -1,4 +1,4 @@
-"""A limiter built as API.md shows it, with no annotation: it type-checks as it is, and any
+"""A limiter built as the README shows it, with no annotation: it type-checks as it is, and any
 workload name is accepted (the limiter checks names when the slot is taken)."""
 
 import slotwise

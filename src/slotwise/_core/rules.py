@@ -1,4 +1,4 @@
-"""The allocation rules of API.md, as pure functions.
+"""The allocation rules (docs/explanation/allocation.md), as pure functions.
 
 Let M be the limiter's ``max_concurrent``, r_w a workload's reservation, c_w its ceiling and a_w
 its active slots. The shared capacity is S = M - sum(r_w). Workload w has room iff
