@@ -37,6 +37,7 @@ STATE = "slotwise.slot.state"
 OUTCOME = "slotwise.outcome"
 OPERATION = "slotwise.operation"
 ERROR_TYPE = "error.type"
+RECLAIMED_SOURCE = "slotwise.reclaimed.source"
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _HOLD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -204,7 +205,7 @@ class _Recorder:
         elif event.kind == "lease-lost":
             self._leases_lost.add(1, attrs)
         elif event.kind == "reclaimed":
-            self._reclaimed.add(1, {**attrs, "slotwise.reclaimed.source": event.source})
+            self._reclaimed.add(1, {**attrs, RECLAIMED_SOURCE: event.source})
         elif event.kind == "released":
             self._end_hold(event.lease_id)
             self._hold_time.record(event.hold_time, {**attrs, OUTCOME: event.outcome})

@@ -44,6 +44,16 @@ def _callbacks(limiter: Any) -> list[_Subscription] | None:
 def subscribe(callback: Callback, limiter: Any = None) -> Callable[[], None]:
     """Call ``callback`` with every event of ``limiter``, or of every limiter when None.
 
+    Args:
+        callback: Called with each event (a frozen object with a ``kind``), synchronously,
+            in the task that caused it. An exception it raises is logged and never reaches
+            the slot.
+        limiter: Any limiter object, built-in or custom; None for every limiter in the
+            process.
+
+    Raises:
+        TypeError: ``callback`` is not callable.
+
     Returns:
         A function that removes the subscription; calling it twice is harmless.
     """

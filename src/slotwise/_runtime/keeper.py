@@ -1,9 +1,10 @@
-"""Lease renewal for every held slot of an event loop, by one task, not one per slot.
+"""Lease renewal for every held slot of an event loop, scheduled by one task, not one per slot.
 
 The keeper is a system task of the running event loop, started when the first slot is held.
 Held slots are kept in insertion-ordered groups, one per lease TTL, so that the slot due
-first is always at the front of its group, adding and removing a slot is O(1), and a
-released slot leaves nothing behind. Each lease is renewed every third of its TTL; a renewal
+first is always at the front of its group, adding and removing a slot is O(1) (a retry due
+before later slots is inserted in order), and a released slot leaves nothing behind. Each
+renewal runs in a short task of its own, so one that hangs delays no other. Each lease is renewed every third of its TTL; a renewal
 that raises is retried until the lease would have expired; a lease the limiter no longer holds
 (or one that expires while its renewals fail) is lost, which cancels the slot's body.
 """

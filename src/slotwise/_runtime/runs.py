@@ -231,6 +231,7 @@ class _RunContext:
 
 
 def run(
+    *,
     limiter: Any = None,
     workload: str | None = None,
     timeout: float | None = None,
