@@ -73,7 +73,11 @@ class Limiter(Protocol):
     :class:`slotwise.LimiterStats`. A ``lease_ttl`` attribute (seconds) sets how often the
     runtime renews (a third of it; 30 s when absent). A limiter that can give a slot back
     without awaiting may offer ``release_nowait(lease)``, which the runtime then calls instead
-    of ``release`` (saving a shielded cancel scope per slot).
+    of ``release`` (saving a shielded cancel scope per slot), and likewise
+    ``renew_nowait(lease)`` instead of ``renew`` (saving a task per renewal). Two more optional
+    members inform the runtime and ``slotwise.opentelemetry``: ``workloads``, a mapping of
+    names to objects with ``max_wait``, ``max_concurrent`` and ``reserved`` (the
+    ``wait-started`` deadline and the limit metrics), and ``max_concurrent``.
     """
 
     @property

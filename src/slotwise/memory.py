@@ -196,6 +196,10 @@ class MemoryLimiter(BuiltinLimiter[W]):
 
     async def renew(self, lease: SupportsLease) -> Lease | None:
         """Extend a lease by ``lease_ttl``; None when it is no longer held. Never waits."""
+        return self.renew_nowait(lease)
+
+    def renew_nowait(self, lease: SupportsLease) -> Lease | None:
+        """:meth:`renew` without the ``await``; the slot lifecycle uses it when present."""
         record = self._state.renew(lease.lease_id, current_time())
         if record is None:
             return None

@@ -1,10 +1,10 @@
 """Lease renewal for every held slot of an event loop, scheduled by one task, not one per slot.
 
 The keeper is a system task of the running event loop, started when the first slot is held.
-Held slots are kept in insertion-ordered groups, one per lease TTL, so that the slot due
-first is always at the front of its group, adding and removing a slot is O(1) (a retry due
-before later slots is inserted in order), and a released slot leaves nothing behind. Each
-renewal runs in a short task of its own, so one that hangs delays no other. Each lease is renewed every third of its TTL; a renewal
+A slot's first renewal is kept in an insertion-ordered group per lease TTL (slots arrive in
+due order, so adding and removing one is O(1) and a released slot leaves nothing behind);
+later renewals and retries, which complete in any order, go to a heap. Each renewal runs in a
+short task of its own, so one that hangs delays no other. Each lease is renewed every third of its TTL; a renewal
 that raises is retried until the lease would have expired; a lease the limiter no longer holds
 (or one that expires while its renewals fail) is lost, which cancels the slot's body.
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import heapq
+import itertools
 import math
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -40,11 +42,16 @@ def lease_ttl(limiter: Any) -> float:
 
 
 class _Keeper:
-    __slots__ = ("_alarm", "_groups", "_renewing", "_running", "_tasks", "_wake")
+    __slots__ = ("_alarm", "_groups", "_later", "_renewing", "_running", "_seq", "_tasks", "_wake")
 
     def __init__(self) -> None:
-        # ttl -> slots in due order (slot -> when it is next due)
+        # A slot's first renewal: ttl -> slots in due order (slot -> due). Slots arrive in
+        # due order, so adding and removing one is O(1) and a released slot leaves nothing.
         self._groups: dict[float, OrderedDict[Slot, float]] = {}
+        # Later renewals and retries, which come back in any order: a heap of
+        # (due, seq, slot, ttl); an entry of a slot released meanwhile is skipped when due.
+        self._later: list[tuple[float, int, Slot, float]] = []
+        self._seq = itertools.count()
         self._running = False
         self._renewing = 0  # renewals in flight
         self._alarm = math.inf  # when the sleeping keeper wakes up by itself
@@ -52,18 +59,18 @@ class _Keeper:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def add(self, slot: Slot, due: float, ttl: float) -> None:
+        """Schedule a newly held slot's first renewal."""
         group = self._groups.get(ttl)
         if group is None:
             group = self._groups[ttl] = OrderedDict()
-        if group and due < next(reversed(group.values())):
-            # A retry comes due before slots added earlier: keep the group sorted.
-            later = [(s, d) for s, d in group.items() if d > due]
-            for s, _ in later:
-                del group[s]
-            group[slot] = due
-            group.update(later)
-        else:
-            group[slot] = due
+        group[slot] = due
+        self._scheduled(due)
+
+    def _again(self, slot: Slot, due: float, ttl: float) -> None:
+        heapq.heappush(self._later, (due, next(self._seq), slot, ttl))
+        self._scheduled(due)
+
+    def _scheduled(self, due: float) -> None:
         if not self._running:
             self._running = True
             _spawn(self)
@@ -76,7 +83,12 @@ class _Keeper:
             group.pop(slot, None)
 
     def _next_due(self) -> float | None:
+        later = self._later
+        while later and later[0][2]._released:
+            heapq.heappop(later)
         dues = [next(iter(g.values())) for g in self._groups.values() if g]
+        if later:
+            dues.append(later[0][0])
         return min(dues) if dues else None
 
     async def main(self) -> None:
@@ -91,8 +103,18 @@ class _Keeper:
                     if due is not None and due <= current:
                         idle_since = None
                         for slot, ttl in self._pop_due(current):
-                            self._renewing += 1
-                            tg.start_soon(self._renew, slot, ttl)
+                            renew_nowait = getattr(slot.limiter, "renew_nowait", None)
+                            if renew_nowait is None:
+                                self._renewing += 1
+                                tg.start_soon(self._renew, slot, ttl)
+                                continue
+                            # A limiter that renews without awaiting needs no task.
+                            try:
+                                renewed = renew_nowait(slot.lease)
+                            except Exception as exc:
+                                self._failed(slot, ttl, exc)
+                            else:
+                                self._renewed(slot, ttl, current, renewed)
                         continue
                     if due is None and not self._renewing:
                         idle_since = current if idle_since is None else idle_since
@@ -117,6 +139,11 @@ class _Keeper:
             while group and next(iter(group.values())) <= current:
                 slot, _ = group.popitem(last=False)
                 batch.append((slot, ttl))
+        later = self._later
+        while later and later[0][0] <= current:
+            _, _, slot, ttl = heapq.heappop(later)
+            if not slot._released:
+                batch.append((slot, ttl))
         return batch
 
     async def _renew(self, slot: Slot, ttl: float) -> None:
@@ -134,16 +161,11 @@ class _Keeper:
             with anyio.fail_after(max(0.0, slot._renewed_at + ttl - started)):
                 renewed = await slot.limiter.renew(slot.lease)
         except Exception as exc:
-            if slot._released:
-                return
-            slot._renewal_failed(exc)
-            expires = slot._renewed_at + ttl
-            current = now()
-            if current >= expires:
-                slot._lose()
-            else:
-                self.add(slot, min(expires, current + ttl * _RETRY_FRACTION), ttl)
-            return
+            self._failed(slot, ttl, exc)
+        else:
+            self._renewed(slot, ttl, started, renewed)
+
+    def _renewed(self, slot: Slot, ttl: float, started: float, renewed: Any) -> None:
         if slot._released:
             return
         if renewed is None:
@@ -151,7 +173,18 @@ class _Keeper:
             return
         slot.lease = renewed
         slot._renewed_at = started
-        self.add(slot, started + ttl / 3, ttl)
+        self._again(slot, started + ttl / 3, ttl)
+
+    def _failed(self, slot: Slot, ttl: float, exc: Exception) -> None:
+        if slot._released:
+            return
+        slot._renewal_failed(exc)
+        expires = slot._renewed_at + ttl
+        current = now()
+        if current >= expires:
+            slot._lose()
+        else:
+            self._again(slot, min(expires, current + ttl * _RETRY_FRACTION), ttl)
 
 
 def _spawn(keeper: _Keeper) -> None:
