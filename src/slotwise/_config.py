@@ -16,6 +16,7 @@ __all__ = (
     "Workload",
     "build_settings",
     "resolve_workload",
+    "seconds",
     "wait_timeout",
 )
 
@@ -70,15 +71,21 @@ def _positive_int(setting: str, value: object) -> int:
     return value  # type: ignore[return-value]
 
 
-def _seconds(setting: str, value: object, *, allow_zero: bool) -> float:
+def seconds(
+    setting: str, value: object, *, allow_zero: bool = False, finite: bool = False
+) -> float:
+    """Validate a duration setting; ConcurrencyConfigError naming it when it is not one."""
     if (
         not isinstance(value, int | float)
         or isinstance(value, bool)
         or math.isnan(value)
         or value < 0
         or (value == 0 and not allow_zero)
+        or (finite and math.isinf(value))
     ):
         bound = "non-negative" if allow_zero else "positive"
+        if finite:
+            bound += ", finite"
         raise ConcurrencyConfigError(
             f"{setting} must be a {bound} number of seconds, got {value!r}"
         )
@@ -102,12 +109,8 @@ def build_settings(
         raise ConcurrencyConfigError(
             f"max_queued must be None or a non-negative integer, got {max_queued!r}"
         )
-    lease_ttl = _seconds("lease_ttl", lease_ttl, allow_zero=False)
-    if math.isinf(lease_ttl):
-        raise ConcurrencyConfigError(
-            "lease_ttl must be finite: a lease that never expires "
-            "would keep a dead holder's slot forever"
-        )
+    # A lease that never expires would keep a dead holder's slot forever.
+    lease_ttl = seconds("lease_ttl", lease_ttl, finite=True)
     if workloads is None:
         workloads = {DEFAULT_WORKLOAD: Workload()}
     if not isinstance(workloads, Mapping) or not workloads:
@@ -146,7 +149,7 @@ def build_settings(
                 f"{where}.priority must be an integer, got {workload.priority!r}"
             )
         if workload.max_wait is not None:
-            _seconds(f"{where}.max_wait", workload.max_wait, allow_zero=True)
+            seconds(f"{where}.max_wait", workload.max_wait, allow_zero=True)
         checked[wname] = workload
         rules[wname] = WorkloadRule(ceiling=ceiling, reserved=reserved, priority=workload.priority)
     total_reserved = sum(rule.reserved for rule in rules.values())

@@ -28,6 +28,7 @@ from .._config import (
     Workload,
     build_settings,
     resolve_workload,
+    seconds,
     wait_timeout,
 )
 from .._core.rules import allocate
@@ -225,18 +226,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
             workloads=workloads,
             default_workload=default_workload,
         )
-        for setting, value in (
-            ("poll_interval", poll_interval),
-            ("queue_entry_ttl", queue_entry_ttl),
-        ):
-            if (
-                not isinstance(value, int | float)
-                or isinstance(value, bool)
-                or not 0 < value < math.inf
-            ):
-                raise ConcurrencyConfigError(
-                    f"{setting} must be a positive, finite number of seconds, got {value!r}"
-                )
+        seconds("poll_interval", poll_interval, finite=True)
+        seconds("queue_entry_ttl", queue_entry_ttl, finite=True)
         if not isinstance(schema, str) or not schema:
             raise ConcurrencyConfigError(f"schema must be a non-empty string, got {schema!r}")
         if on_conflict not in ("error", "replace"):
