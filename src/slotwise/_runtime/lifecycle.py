@@ -91,9 +91,16 @@ async def _release_shielded(
         task = asyncio.ensure_future(limiter.release(lease))
         _releasing.add(task)
         task.add_done_callback(_releasing.discard)
-        task.add_done_callback(lambda task: done(_outcome_of(task)))
-        with contextlib.suppress(Exception):
+        try:
             await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                # The caller was cancelled: the release goes on, and reports when it ends.
+                task.add_done_callback(lambda task: done(_outcome_of(task)))
+                raise
+        except Exception:
+            pass  # reported below
+        done(_outcome_of(task))
 
 
 def _outcome_of(task: asyncio.Future[Any]) -> Exception | None:
