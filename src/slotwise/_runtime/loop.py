@@ -1,4 +1,5 @@
-"""Cheap access to the running event loop's clock and identity, for the hot path.
+"""Cheap access to the running event loop (clock, identity, checkpoints, cancel scopes and
+one-shot wakers) for the hot path, on asyncio and trio.
 
 ``anyio.current_time()`` looks the backend up on every call; a slot reads the clock several
 times, so these helpers ask the running loop directly. They return exactly what anyio would:
