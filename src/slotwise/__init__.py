@@ -23,6 +23,7 @@ from ._events import ConfigErrorEvent as ConfigErrorEvent
 from ._events import EventKind as EventKind
 from ._events import LeaseLostEvent as LeaseLostEvent
 from ._events import LimiterErrorEvent as LimiterErrorEvent
+from ._events import Outcome as Outcome
 from ._events import QueueFullEvent as QueueFullEvent
 from ._events import ReclaimedEvent as ReclaimedEvent
 from ._events import ReleasedEvent as ReleasedEvent
@@ -41,6 +42,7 @@ from ._runtime.lifecycle import SlotContext as SlotContext
 from ._runtime.lifecycle import acquire as acquire
 from ._runtime.lifecycle import slot as slot
 from ._runtime.runs import Run as Run
+from ._runtime.runs import RunContext as RunContext
 from ._runtime.runs import current_run as current_run
 from ._runtime.runs import run as run
 from ._stats import LimiterStats as LimiterStats
@@ -67,12 +69,14 @@ __all__ = (
     "LimiterErrorEvent",
     "LimiterStats",
     "MemoryLimiter",
+    "Outcome",
     "QueueFullEvent",
     "ReclaimedEvent",
     "ReleaseFailedEvent",
     "ReleasedEvent",
     "RenewalFailedEvent",
     "Run",
+    "RunContext",
     "Slot",
     "SlotContext",
     "SupportsLease",

@@ -8,6 +8,7 @@ from ._config import Settings, Workload, resolve_workload
 from ._events import ConcurrencyEvent
 from ._runtime import dispatch
 from ._runtime.lifecycle import SlotContext, slot
+from ._stats import LimiterStats, WorkloadStats
 
 __all__ = ("BuiltinLimiter",)
 
@@ -66,3 +67,20 @@ class BuiltinLimiter(Generic[W]):
     def subscribe(self, callback: Callable[[ConcurrencyEvent], object]) -> Callable[[], None]:
         """Receive every event of this limiter; returns the function that unsubscribes."""
         return dispatch.subscribe(callback, self)
+
+    def _stats(self, active: Mapping[str, int], queued: Mapping[str, int]) -> LimiterStats:
+        rules = self._settings.rules
+        return LimiterStats(
+            active=sum(active.values()),
+            queued=sum(queued.values()),
+            max_concurrent=rules.max_concurrent,
+            workloads={
+                name: WorkloadStats(
+                    active=active.get(name, 0),
+                    queued=queued.get(name, 0),
+                    max_concurrent=rule.ceiling,
+                    reserved=rule.reserved,
+                )
+                for name, rule in rules.workloads.items()
+            },
+        )

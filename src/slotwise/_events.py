@@ -15,6 +15,7 @@ __all__ = (
     "EventKind",
     "LeaseLostEvent",
     "LimiterErrorEvent",
+    "Outcome",
     "QueueFullEvent",
     "ReclaimedEvent",
     "ReleaseFailedEvent",

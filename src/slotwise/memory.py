@@ -21,7 +21,7 @@ from ._core.state import LimiterState, Ticket
 from ._protocol import AcquireRequest, Lease, SupportsLease
 from ._runtime.loop import checkpoint, new_waker, park, wake
 from ._runtime.loop import now as current_time
-from ._stats import LimiterStats, WorkloadStats
+from ._stats import LimiterStats
 
 __all__ = ("MemoryLimiter",)
 
@@ -124,23 +124,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
         """Active and queued requests, in total and per workload."""
         await checkpoint()
         state = self._state
-        state_expired = state.expire(current_time())
-        self._wake(state_expired)
-        rules = self._settings.rules
-        return LimiterStats(
-            active=len(state.leases),
-            queued=state.queued,
-            max_concurrent=rules.max_concurrent,
-            workloads={
-                name: WorkloadStats(
-                    active=state.active[name],
-                    queued=len(state.queues[name]),
-                    max_concurrent=rule.ceiling,
-                    reserved=rule.reserved,
-                )
-                for name, rule in rules.workloads.items()
-            },
-        )
+        self._wake(state.expire(current_time()))
+        return self._stats(state.active, {name: len(q) for name, q in state.queues.items()})
 
     # -- the Limiter protocol -------------------------------------------------------------
 

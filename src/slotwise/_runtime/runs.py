@@ -13,7 +13,7 @@ import anyio
 
 from .._errors import ConcurrencyConfigError
 
-__all__ = ("Run", "current_run", "run")
+__all__ = ("Run", "RunContext", "current_run", "run")
 
 _current: ContextVar[Run | None] = ContextVar("slotwise_run", default=None)
 
@@ -143,7 +143,9 @@ def _refuse(
 
 
 @final
-class _RunContext:
+class RunContext:
+    """``async with`` form of :func:`run`: yields the :class:`Run`; ends it on exit."""
+
     __slots__ = ("_limiter", "_run", "_run_id", "_timeout", "_token", "_workload")
 
     def __init__(
@@ -236,7 +238,7 @@ def run(
     workload: str | None = None,
     timeout: float | None = None,
     run_id: str | None = None,
-) -> _RunContext:
+) -> RunContext:
     """Start a run: ``async with slotwise.run(...) as run``.
 
     A run started inside another (in the same task, or in a task started from inside it) is
@@ -264,4 +266,4 @@ def run(
         ...     async with slotwise.slot():
         ...         ...  # doctest: +SKIP
     """
-    return _RunContext(limiter, workload, timeout, run_id)
+    return RunContext(limiter, workload, timeout, run_id)

@@ -38,7 +38,7 @@ from .._errors import (
     ConcurrencyQueueFullError,
 )
 from .._protocol import AcquireRequest, Lease, SupportsLease
-from .._stats import LimiterStats, WorkloadStats
+from .._stats import LimiterStats
 from ._schema import channel_name, schema_ddl
 
 __all__ = ("PostgresLimiter",)
@@ -347,21 +347,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         queued: dict[str, int] = {}
         for kind, workload, count in rows:
             (active if kind == "active" else queued)[workload] = count
-        rules = self._settings.rules
-        return LimiterStats(
-            active=sum(active.values()),
-            queued=sum(queued.values()),
-            max_concurrent=rules.max_concurrent,
-            workloads={
-                name: WorkloadStats(
-                    active=active.get(name, 0),
-                    queued=queued.get(name, 0),
-                    max_concurrent=rule.ceiling,
-                    reserved=rule.reserved,
-                )
-                for name, rule in rules.workloads.items()
-            },
-        )
+        return self._stats(active, queued)
 
     # -- the Limiter protocol -------------------------------------------------------------
 
