@@ -19,13 +19,11 @@ prefers) and the legacy ``httpx``. Neither is imported until it is used.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib
 import logging
 import sys
 import weakref
-from collections.abc import Awaitable, Callable
 from functools import cache
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
@@ -35,6 +33,7 @@ import anyio
 from ._events import Outcome, ReclaimedEvent
 from ._runtime import dispatch
 from ._runtime.lifecycle import Slot, acquire
+from ._runtime.loop import Start, later
 
 if TYPE_CHECKING:
     import httpx
@@ -48,8 +47,6 @@ _logger = logging.getLogger("slotwise")
 _STACKS = ("httpx2", "httpx")
 # How long a reclaimed response gets to close its connection before the slot goes back anyway.
 _CLOSE_TIMEOUT = 5.0
-# asyncio keeps only weak references to tasks: reclaim tasks live here until they finish.
-_reclaiming: set[asyncio.Task[None]] = set()
 
 
 @overload
@@ -219,7 +216,7 @@ class _SlotTransport:
             await slot.release("failed" if response.status_code >= 400 else "completed")
             return response
         stream = self._stream_class(
-            response.stream, slot, failed=response.status_code >= 400, schedule=_scheduler()
+            response.stream, slot, failed=response.status_code >= 400, schedule=later()
         )
         response.stream = stream
         self._open.add(stream)
@@ -263,7 +260,7 @@ class _SlotStream:
         slot: Slot,
         *,
         failed: bool,
-        schedule: Callable[[Callable[[], Awaitable[None]]], None],
+        schedule: Start,
     ) -> None:
         self._inner = inner
         self._slot = slot
@@ -307,38 +304,7 @@ class _SlotStream:
         await self._slot.release(outcome)
 
 
-def _scheduler() -> Callable[[Callable[[], Awaitable[None]]], None]:
-    """A thread-safe way to start a task on the running event loop, to be used later.
-
-    The garbage collector runs finalizers wherever an allocation triggers it (another task,
-    another thread): they may only hand work to the loop that owns the slot.
-    """
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        import trio
-
-        token = trio.lowlevel.current_trio_token()
-
-        def schedule_trio(fn: Callable[[], Awaitable[None]]) -> None:
-            token.run_sync_soon(trio.lowlevel.spawn_system_task, fn)
-
-        return schedule_trio
-
-    def start(fn: Callable[[], Awaitable[None]]) -> None:
-        task: asyncio.Task[None] = loop.create_task(fn())  # type: ignore[arg-type]
-        _reclaiming.add(task)
-        task.add_done_callback(_reclaiming.discard)
-
-    def schedule_asyncio(fn: Callable[[], Awaitable[None]]) -> None:
-        loop.call_soon_threadsafe(start, fn)
-
-    return schedule_asyncio
-
-
-def _collected(
-    slot: Slot, inner: Any, schedule: Callable[[Callable[[], Awaitable[None]]], None]
-) -> None:
+def _collected(slot: Slot, inner: Any, schedule: Start) -> None:
     async def reclaim() -> None:
         with anyio.CancelScope(shield=True):
             if not slot.released and slot.lease is not None and dispatch.wants(slot.limiter):

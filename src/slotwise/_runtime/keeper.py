@@ -11,8 +11,6 @@ that raises is retried until the lease would have expired; a lease the limiter n
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import heapq
 import itertools
 import math
@@ -22,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._config import DEFAULT_LEASE_TTL
-from .loop import loop_identity, now
+from .loop import loop_identity, now, spawn
 
 if TYPE_CHECKING:
     from .lifecycle import Slot
@@ -42,7 +40,7 @@ def lease_ttl(limiter: Any) -> float:
 
 
 class _Keeper:
-    __slots__ = ("_alarm", "_groups", "_later", "_renewing", "_running", "_seq", "_tasks", "_wake")
+    __slots__ = ("_alarm", "_groups", "_later", "_renewing", "_running", "_seq", "_wake")
 
     def __init__(self) -> None:
         # A slot's first renewal: ttl -> slots in due order (slot -> due). Slots arrive in
@@ -56,7 +54,6 @@ class _Keeper:
         self._renewing = 0  # renewals in flight
         self._alarm = math.inf  # when the sleeping keeper wakes up by itself
         self._wake: anyio.Event | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def add(self, slot: Slot, due: float, ttl: float) -> None:
         """Schedule a newly held slot's first renewal."""
@@ -73,7 +70,7 @@ class _Keeper:
     def _scheduled(self, due: float) -> None:
         if not self._running:
             self._running = True
-            _spawn(self)
+            spawn(self.main)
         elif due < self._alarm and self._wake is not None:
             self._wake.set()
 
@@ -185,19 +182,6 @@ class _Keeper:
             slot._lose()
         else:
             self._again(slot, min(expires, current + ttl * _RETRY_FRACTION), ttl)
-
-
-def _spawn(keeper: _Keeper) -> None:
-    loop = loop_identity()
-    if isinstance(loop, asyncio.AbstractEventLoop):
-        # A fresh context: not the one of whichever request happened to start the keeper.
-        task = loop.create_task(keeper.main(), context=contextvars.Context())
-        keeper._tasks.add(task)
-        task.add_done_callback(keeper._tasks.discard)
-    else:
-        import trio
-
-        trio.lowlevel.spawn_system_task(keeper.main)
 
 
 # The keeper of the loop that ran most recently: one identity check on the hot path. A

@@ -9,7 +9,9 @@ times, so these helpers ask the running loop directly. They return exactly what 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -17,10 +19,12 @@ import anyio
 __all__ = (
     "cancel_scope",
     "checkpoint",
+    "later",
     "loop_identity",
     "new_waker",
     "now",
     "park",
+    "spawn",
     "trio_running",
     "wake",
 )
@@ -119,3 +123,39 @@ class _TrioWaker:
             return
         self._task = lowlevel.current_task()
         await lowlevel.wait_task_rescheduled(self._abort)
+
+
+Start = Callable[[Callable[[], Awaitable[None]]], None]
+
+# Tasks that nothing awaits, kept here so that they are not garbage collected while they run.
+_background: set[asyncio.Task[None]] = set()
+
+
+def spawn(fn: Callable[[], Awaitable[None]]) -> None:
+    """Start ``fn()`` now as a task of the running loop that nobody awaits (a system task on
+    trio), in a fresh context rather than the caller's."""
+    if trio_running():
+        sys.modules["trio"].lowlevel.spawn_system_task(fn)
+    else:
+        _start_asyncio(asyncio.get_running_loop(), fn)
+
+
+def later() -> Start:
+    """A function that starts ``fn()`` as such a task of the running loop, callable later
+    from any thread (the garbage collector runs finalizers wherever it is triggered)."""
+    if trio_running():
+        trio = sys.modules["trio"]
+        token = trio.lowlevel.current_trio_token()
+        return lambda fn: token.run_sync_soon(trio.lowlevel.spawn_system_task, fn)
+    loop = asyncio.get_running_loop()
+
+    def start(fn: Callable[[], Awaitable[None]]) -> None:
+        loop.call_soon_threadsafe(_start_asyncio, loop, fn)
+
+    return start
+
+
+def _start_asyncio(loop: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[None]]) -> None:
+    task: asyncio.Task[None] = loop.create_task(fn(), context=contextvars.Context())  # type: ignore[arg-type]
+    _background.add(task)
+    task.add_done_callback(_background.discard)
