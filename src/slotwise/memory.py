@@ -130,7 +130,21 @@ class MemoryLimiter(BuiltinLimiter[W]):
     # -- the Limiter protocol -------------------------------------------------------------
 
     async def acquire(self, request: AcquireRequest) -> Lease:
-        """Wait for a slot (see :class:`slotwise.Limiter`); safe to cancel at any point."""
+        """Wait for a slot (see :class:`slotwise.Limiter`); safe to cancel at any point.
+
+        Most code takes slots with :meth:`slot` instead, which runs the whole lifecycle.
+
+        Args:
+            request: The workload, the request's identity and its run's deadline.
+
+        Returns:
+            The lease; give it back with :meth:`release`.
+
+        Raises:
+            ConcurrencyConfigError: the workload is unknown, or missing with no default.
+            ConcurrencyQueueFullError: ``max_queued`` requests are already waiting.
+            ConcurrencyTimeoutError: no slot before ``max_wait`` or ``request.deadline``.
+        """
         # One checkpoint, before anything is taken: a cancellation here leaves no trace, and
         # everything after it up to the grant or the enqueue is synchronous (atomic).
         await checkpoint()
