@@ -375,8 +375,7 @@ async def acquire(
             # Granted just as the request was cancelled: give it back before any body runs.
             await checkpoint_if_cancelled()
         except BaseException:
-            with contextlib.suppress(Exception):
-                await _release_shielded(limiter, lease)
+            await _release_shielded(limiter, lease)  # never raises what the release raised
             raise
     except (_BudgetEnded, anyio.get_cancelled_exc_class()) as exc:
         waited = now() - start if listening else 0.0
