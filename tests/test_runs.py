@@ -724,12 +724,14 @@ async def test_cancel_reaches_children_in_other_tasks(
     holders = [Holder(claude), Holder(claude)] if stage == "waiting" else []
     children: list[slotwise.Run] = []
     finished: list[str] = []
+    inside: list[str] = []  # bodies running (a slot granted but not yet entered can still leave)
 
     async def tool(tg_for_grandchild: anyio.abc.TaskGroup) -> None:
         async with slotwise.run() as child:
             children.append(child)
             tg_for_grandchild.start_soon(grandchild_tool)
             async with slotwise.slot():
+                inside.append("child")
                 await anyio.sleep_forever()
             finished.append("child body")
         finished.append("child run")
@@ -738,6 +740,7 @@ async def test_cancel_reaches_children_in_other_tasks(
         async with slotwise.run() as grandchild:
             children.append(grandchild)
             async with slotwise.slot():
+                inside.append("grandchild")
                 await anyio.sleep_forever()
         finished.append("grandchild run")
 
@@ -753,7 +756,7 @@ async def test_cancel_reaches_children_in_other_tasks(
                     if stage == "waiting":
                         await until_stats(claude, active=2, queued=2)
                     else:
-                        await until_stats(claude, active=2, queued=0)
+                        await until(lambda: len(inside) == 2)
                     parent.cancel()
             else:
                 outer.start_soon(tool, outer)
@@ -761,7 +764,7 @@ async def test_cancel_reaches_children_in_other_tasks(
                 if stage == "waiting":
                     await until_stats(claude, active=2, queued=2)
                 else:
-                    await until_stats(claude, active=2, queued=0)
+                    await until(lambda: len(inside) == 2)
                 parent.cancel()
         if stage == "waiting":
             await until_stats(claude, active=2, queued=0)

@@ -1,12 +1,12 @@
-"""MemoryLimiter: one process's capacity, shared by every task of its event loop."""
+"""MemoryLimiter: one process's capacity, shared by every task, event loop and thread in it."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import TypeVar, final, overload
-
-import anyio
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, final, overload
 
 from ._base import BuiltinLimiter
 from ._config import (
@@ -17,10 +17,9 @@ from ._config import (
     resolve_workload,
     wait_timeout,
 )
-from ._core.state import LimiterState, Ticket
+from ._core.state import LeaseRecord, LimiterState, Tether, Ticket
 from ._protocol import AcquireRequest, Lease, SupportsLease
-from ._runtime.loop import checkpoint, new_waker, park, wake
-from ._runtime.loop import now as current_time
+from ._runtime.loop import Loop, ThreadWaker, Waker, require
 from ._stats import LimiterStats
 
 __all__ = ("MemoryLimiter",)
@@ -32,39 +31,52 @@ W = TypeVar("W", bound=str)
 class MemoryLimiter(BuiltinLimiter[W]):
     """A limiter whose slots live in this process.
 
-    It can be built at module level, outside any event loop, and used from asyncio and trio.
+    One limiter serves every task of every event loop (asyncio and trio) and every thread of
+    the process at once, with one queue: it can be built at module level, outside any event
+    loop, and shared by `asyncio.run()` in several threads and by sync code
+    (`sync_slot()`). Each waiter is woken on its own loop or thread.
 
     Args:
         name: Appears in events and errors.
         max_concurrent: Requests in flight at once, across every run.
         max_queued: Requests that may wait; the next one fails at once with
-            ``ConcurrencyQueueFullError``. None: unbounded.
-        lease_ttl: Seconds a slot stays valid without renewal; renewed automatically while
-            held. A holder that stops renewing loses its slot to the next waiter.
-        workloads: Named workloads sharing the capacity; default: one named ``"default"``.
-        default_workload: The workload of requests that name none; default: ``"default"`` if
+            `ConcurrencyQueueFullError`. None: unbounded.
+        lease_ttl: Seconds a slot stays valid without renewal. A slot held through
+            `slot()` or `slotwise.acquire()` stays valid as long as its `Slot` is neither
+            released nor garbage collected; a slot whose holder is gone comes back within
+            `lease_ttl`.
+        workloads: Named workloads sharing the capacity; default: one named `"default"`.
+        default_workload: The workload of requests that name none; default: `"default"` if
             it exists, or the only workload.
 
     Raises:
         ConcurrencyConfigError: a setting is invalid; the message names it.
 
     Example:
-        >>> claude = MemoryLimiter(
-        ...     name="claude",
-        ...     max_concurrent=8,
-        ...     workloads={
-        ...         "interactive": Workload(reserved=2, priority=10, max_wait=60.0),
-        ...         "background": Workload(max_concurrent=6, max_wait=300.0),
-        ...     },
-        ... )
-        >>> claude
-        <slotwise.MemoryLimiter 'claude' 0/8 active, 0 queued (interactive 0/8, background 0/6)>
+        ```python
+        claude = MemoryLimiter(
+            name="claude",
+            max_concurrent=8,
+            workloads={
+                "interactive": Workload(reserved=2, priority=10, max_wait=60.0),
+                "background": Workload(max_concurrent=6, max_wait=300.0),
+            },
+        )
+        ```
 
-    Typed workload names: annotate ``MemoryLimiter[Literal["interactive", "background"]]``
-    (or key ``workloads`` by a ``StrEnum``) and ``slot(workload="typo")`` is a type error.
+        Its repr: `<slotwise.MemoryLimiter 'claude' 0/8 active, 0 queued (interactive 0/8,
+        background 0/6)>`.
+
+    Typed workload names: annotate `MemoryLimiter[Literal["interactive", "background"]]`
+    (or key `workloads` by a `StrEnum`) and `slot(workload="typo")` is a type error.
+
+    Clock: leases and deadlines are kept on `time.monotonic()`, which every thread and loop
+    agrees on; each waiter's deadline is converted from its own loop's clock. Under trio's
+    `MockClock` (tests), the limiter follows that virtual clock instead, and may then be used
+    by that trio run only while it holds or awaits slots.
     """
 
-    __slots__ = ("_state", "_watch_until", "_watcher")
+    __slots__ = ("_clock", "_domain", "_lock", "_state", "_watch_until", "_watcher")
 
     @overload
     def __init__(
@@ -113,150 +125,251 @@ class MemoryLimiter(BuiltinLimiter[W]):
             max_queued=self._settings.max_queued,
             lease_ttl=self._settings.lease_ttl,
         )
+        # Every read and write of the state, from any thread, holds this lock; it is never
+        # held across an await, and waiters are woken after it is released.
+        self._lock = threading.Lock()
+        # The state's clock: time.monotonic, or a trio MockClock while a test drives it.
+        self._domain: Any = None
+        self._clock: Callable[[], float] = time.monotonic
         # One waiter at a time watches the clock for leases that expire unrenewed, so a
         # dead holder's slot is handed on without a background task or a herd of timers.
         self._watcher: Ticket | None = None
-        self._watch_until = math.inf  # when the sleeping watcher's alarm rings
+        self._watch_until = math.inf  # when the sleeping watcher's alarm rings (state clock)
 
     # -- the user's surface ---------------------------------------------------------------
 
     async def stats(self) -> LimiterStats:
         """Active and queued requests, in total and per workload."""
-        await checkpoint()
-        state = self._state
-        self._wake(state.expire(current_time()))
-        return self._stats(state.active, {name: len(q) for name, q in state.queues.items()})
+        await require().checkpoint()
+        return self.stats_nowait()
+
+    def stats_nowait(self) -> LimiterStats:
+        """`stats()` without the `await`, for logs and dashboards in sync code."""
+        with self._lock:
+            state = self._state
+            wakers = self._settle(state.expire(self._clock()))
+            active = dict(state.active)
+            queued = {name: len(q) for name, q in state.queues.items()}
+        _wake(wakers)
+        return self._stats(active, queued)
 
     # -- the Limiter protocol -------------------------------------------------------------
 
     async def acquire(self, request: AcquireRequest) -> Lease:
-        """Wait for a slot (see :class:`slotwise.Limiter`); safe to cancel at any point.
+        """Wait for a slot (see `slotwise.Limiter`); safe to cancel at any point.
 
-        Most code takes slots with :meth:`slot` instead, which runs the whole lifecycle.
+        Most code takes slots with `slot()` instead, which runs the whole lifecycle.
 
         Args:
             request: The workload, the request's identity and its run's deadline.
 
         Returns:
-            The lease; give it back with :meth:`release`.
+            The lease; give it back with `release()`.
 
         Raises:
             ConcurrencyConfigError: the workload is unknown, or missing with no default.
-            ConcurrencyQueueFullError: ``max_queued`` requests are already waiting.
-            ConcurrencyTimeoutError: no slot before ``max_wait`` or ``request.deadline``.
+            ConcurrencyQueueFullError: `max_queued` requests are already waiting.
+            ConcurrencyTimeoutError: no slot before `max_wait` or `request.deadline`.
         """
-        # One checkpoint, before anything is taken: a cancellation here leaves no trace, and
-        # everything after it up to the grant or the enqueue is synchronous (atomic).
-        await checkpoint()
         workload = resolve_workload(self._settings, request.workload)
-        state = self._state
-        now = current_time()
-        ticket, swept = state.submit(workload, now)
-        self._wake(swept)
-        if ticket.lease is not None:
-            self._granted(ticket)
-            return self._lease(ticket)
-        deadline = request.deadline if request.deadline is not None else math.inf
-        max_wait = self._settings.workloads[workload].max_wait
-        if max_wait is not None:
-            deadline = min(deadline, now + max_wait)
-        try:
-            while ticket.lease is None and now < deadline:
-                if self._watcher is None:
-                    self._watcher = ticket
-                wake_at = deadline
-                if self._watcher is ticket:
-                    wake_at = min(wake_at, state.next_expiry() or math.inf)
-                    self._watch_until = wake_at
-                ticket.waker = waker = new_waker()
-                if wake_at == math.inf:
-                    # Nothing to wake up for but a grant: no cancel scope, no timer.
-                    await park(waker)
-                else:
-                    with anyio.CancelScope(deadline=wake_at):
-                        await park(waker)
-                if ticket.lease is None:
-                    now = current_time()
-                    self._wake(state.expire(now))
-        except BaseException:
-            # Cancelled while waiting, or as the slot was granted: give it back either way.
-            self._leave(ticket)
-            raise
-        if ticket.lease is None:
-            self._leave(ticket)
-            raise wait_timeout(
-                now - ticket.enqueued_at,
-                max_wait,
-                max_wait is not None
-                and (request.deadline is None or ticket.enqueued_at + max_wait <= request.deadline),
-            )
-        self._leave_watch(ticket)
-        return self._lease(ticket)
+        record = await self._take(workload, require(), request.deadline, None)
+        return _lease(record)
 
     async def renew(self, lease: SupportsLease) -> Lease | None:
-        """Extend a lease by ``lease_ttl``; None when it is no longer held. Never waits."""
+        """Extend a lease by `lease_ttl`; None when it is no longer held. Never waits."""
         return self.renew_nowait(lease)
 
     def renew_nowait(self, lease: SupportsLease) -> Lease | None:
-        """:meth:`renew` without the ``await``; the slot lifecycle uses it when present."""
-        record = self._state.renew(lease.lease_id, current_time())
-        if record is None:
-            return None
-        return Lease(
-            lease_id=record.lease_id, workload=record.workload, expires_at=record.expires_at
-        )
+        """`renew()` without the `await`; the slot lifecycle uses it."""
+        with self._lock:
+            record = self._state.renew(lease.lease_id, self._clock())
+            return None if record is None else _lease(record)
 
     async def release(self, lease: SupportsLease) -> None:
         """Give a slot back to the next waiter. Idempotent; never waits."""
         self.release_nowait(lease)
 
     def release_nowait(self, lease: SupportsLease) -> None:
-        """:meth:`release` without the ``await``; the slot lifecycle uses it when present."""
-        self._wake(self._state.release(lease.lease_id, current_time()))
+        """`release()` without the `await`; the slot lifecycle uses it."""
+        with self._lock:
+            wakers = self._settle(self._state.release(lease.lease_id, self._clock()))
+        _wake(wakers)
+
+    # -- what the slot lifecycle uses (looked up on the class) ----------------------------
+
+    def _take_nowait(self, workload: str, loop: Loop | None, tether: Tether) -> LeaseRecord | None:
+        """A slot now, tethered to its holder, if the request would not have to wait."""
+        with self._lock:
+            record, swept = self._state.take_nowait(workload, self._now(loop), tether)
+            wakers = self._settle(swept, record)
+        _wake(wakers)
+        return record
+
+    async def _take(
+        self, workload: str, loop: Loop, deadline: float | None, tether: Tether | None
+    ) -> LeaseRecord:
+        """Wait for a slot until the earlier of `deadline` (on `loop`'s clock) and the
+        workload's `max_wait`. The request takes a slot or its place in the queue before
+        this yields (so arrival order is the order of calls), then yields once at least."""
+        with self._lock:
+            now = self._now(loop)
+            ticket, swept = self._state.submit(workload, now, tether)
+            wakers = self._settle(swept, ticket.lease)
+        _wake(wakers)
+        end = self._end(workload, ticket.enqueued_at, loop, deadline)
+        try:
+            parked = False
+            if ticket.lease is not None:
+                await loop.checkpoint()
+            while True:
+                record, waker, until = self._step(ticket, loop, end, deadline)
+                if record is not None:
+                    if parked:
+                        # Granted while parked: a cancellation that came meanwhile wins.
+                        await loop.checkpoint_if_cancelled()
+                    return record
+                await loop.park(waker, loop.now() + (until - self._clock()))
+                parked = True
+        except BaseException:
+            # Cancelled while waiting, or as the slot was granted: give it back either way.
+            self._leave(ticket)
+            raise
+
+    def _take_blocking(
+        self, workload: str, timeout: float | None, tether: Tether | None
+    ) -> LeaseRecord:
+        """`_take()` for a thread with no event loop: blocks until a slot, the timeout
+        (seconds) or the workload's `max_wait`."""
+        with self._lock:
+            now = self._now(None)
+            ticket, swept = self._state.submit(workload, now, tether)
+            wakers = self._settle(swept, ticket.lease)
+        _wake(wakers)
+        deadline = None if timeout is None else now + timeout
+        end = self._end(workload, ticket.enqueued_at, None, deadline)
+        try:
+            while True:
+                record, waker, until = self._step(ticket, None, end, deadline)
+                if record is not None:
+                    return record
+                assert isinstance(waker, ThreadWaker)
+                waker.wait(None if until == math.inf else max(0.0, until - self._clock()))
+        except BaseException:
+            self._leave(ticket)
+            raise
 
     # -- internals ------------------------------------------------------------------------
 
-    @staticmethod
-    def _lease(ticket: Ticket) -> Lease:
-        record = ticket.lease
-        assert record is not None
-        return Lease(
-            lease_id=record.lease_id, workload=record.workload, expires_at=record.expires_at
-        )
+    def _now(self, loop: Loop | None) -> float:
+        """The state's clock; with the lock held. A limiter with no slot held or awaited
+        follows the clock of whoever uses it next: real time, or a trio MockClock."""
+        domain = None if loop is None else loop.virtual_clock()
+        if domain is not self._domain:
+            state = self._state
+            if state.leases or state.queued:
+                raise RuntimeError(
+                    f"limiter {self.name!r} is in use under the virtual clock of a trio run "
+                    "(trio.testing.MockClock); another event loop or thread cannot share it "
+                    "until that run's slots are released"
+                    if self._domain is not None
+                    else f"limiter {self.name!r} is in use in real time; a trio run with a "
+                    "virtual clock (trio.testing.MockClock) cannot share it until its slots "
+                    "are released"
+                )
+            self._domain = domain
+            self._clock = time.monotonic if domain is None else domain.current_time
+            state.rebase(self._clock())
+        return self._clock()
 
-    def _wake(self, granted: list[Ticket]) -> None:
-        for ticket in granted:
-            if ticket.waker is not None:
-                wake(ticket.waker)
-            self._granted(ticket)
+    def _end(
+        self, workload: str, enqueued_at: float, loop: Loop | None, deadline: float | None
+    ) -> float:
+        """When a request enqueued at `enqueued_at` stops waiting, on the state's clock."""
+        end = math.inf
+        if deadline is not None:
+            end = deadline if loop is None else deadline - loop.now() + self._clock()
+        max_wait = self._settings.workloads[workload].max_wait
+        if max_wait is not None:
+            end = min(end, enqueued_at + max_wait)
+        return end
 
-    def _granted(self, ticket: Ticket) -> None:
+    def _step(
+        self, ticket: Ticket, loop: Loop | None, end: float, deadline: float | None
+    ) -> tuple[LeaseRecord | None, Waker | None, float]:
+        """One look at a waiting request: its lease when it has a valid one; else a new
+        waker to park on and when to wake up (state clock). Raises the timeout."""
+        state = self._state
+        timed_out = False
+        with self._lock:
+            now = self._clock()
+            granted = state.expire(now) if ticket.lease is None else []
+            record = ticket.lease
+            if record is not None and record.expires_at <= now and not _holds(record):
+                # Granted, but the lease ran out before this waiter resumed (its loop or
+                # thread stalled) and someone may hold it now: never enter on it.
+                granted += state.regrant(ticket, now)
+                record = ticket.lease
+            waker: Waker | None = None
+            until = end
+            if record is not None:
+                self._unwatch(ticket, granted)
+            elif now >= end:
+                granted += state.withdraw(ticket, now)
+                self._unwatch(ticket, granted)
+                timed_out = True
+            else:
+                if self._watcher is None:
+                    self._watcher = ticket
+                if self._watcher is ticket:
+                    until = min(until, state.next_expiry() or math.inf)
+                    self._watch_until = until
+                waker = ticket.waker = ThreadWaker() if loop is None else loop.waker()
+            wakers = self._settle(granted)
+        _wake(wakers)
+        if timed_out:
+            max_wait = self._settings.workloads[ticket.workload].max_wait
+            by_max_wait = max_wait is not None and (
+                deadline is None or ticket.enqueued_at + max_wait <= end
+            )
+            raise wait_timeout(now - ticket.enqueued_at, max_wait, by_max_wait)
+        return record, waker, until
+
+    def _leave(self, ticket: Ticket) -> None:
+        with self._lock:
+            granted = self._state.withdraw(ticket, self._clock())
+            self._unwatch(ticket, granted)
+            wakers = self._settle(granted)
+        _wake(wakers)
+
+    def _settle(self, granted: list[Ticket], taken: LeaseRecord | None = None) -> list[Waker]:
+        """With the lock held: the wakers to call (after it is released) for the tickets
+        `granted` and the lease `taken` at once by the caller."""
+        wakers = [ticket.waker for ticket in granted if ticket.waker is not None]
         # A new lease may expire before the watcher's alarm (which is infinite when it fell
         # asleep with no lease at all): wake it so it re-arms for the earlier expiry.
         watcher = self._watcher
-        if (
-            watcher is not None
-            and ticket.lease is not None
-            and ticket.lease.expires_at < self._watch_until
-            and watcher.waker is not None
-        ):
-            self._watch_until = ticket.lease.expires_at
-            wake(watcher.waker)
+        if watcher is not None and watcher.waker is not None and (granted or taken):
+            leases = [t.lease for t in granted if t.lease is not None]
+            if taken is not None:
+                leases.append(taken)
+            first = min(lease.expires_at for lease in leases)
+            if first < self._watch_until:
+                self._watch_until = first
+                wakers.append(watcher.waker)
+        return wakers
 
-    def _leave(self, ticket: Ticket) -> None:
-        self._wake(self._state.withdraw(ticket, current_time()))
-        self._leave_watch(ticket)
-
-    def _leave_watch(self, ticket: Ticket) -> None:
+    def _unwatch(self, ticket: Ticket, granted: list[Ticket]) -> None:
+        """With the lock held: `ticket` stops waiting; if it watched the clock, hand that to
+        another waiter (woken, via `granted`'s wakers, so that it re-arms its timer)."""
         if self._watcher is not ticket:
             return
         self._watcher = None
-        # Hand the clock to another waiter: wake it so it re-arms its timer as the watcher.
+        self._watch_until = math.inf
         for queue in self._state.queues.values():
             for other in queue.values():
                 self._watcher = other
                 if other.waker is not None:
-                    wake(other.waker)
+                    other.waker.wake()
                 return
 
     def __repr__(self) -> str:
@@ -272,3 +385,16 @@ class MemoryLimiter(BuiltinLimiter[W]):
             f"<slotwise.MemoryLimiter {self.name!r} {len(state.leases)}/{rules.max_concurrent} "
             f"active, {state.queued} queued ({', '.join(parts)})>"
         )
+
+
+def _holds(record: LeaseRecord) -> bool:
+    return record.tether is not None and record.tether()
+
+
+def _lease(record: LeaseRecord) -> Lease:
+    return Lease(lease_id=record.lease_id, workload=record.workload, expires_at=record.expires_at)
+
+
+def _wake(wakers: list[Waker]) -> None:
+    for waker in wakers:
+        waker.wake()

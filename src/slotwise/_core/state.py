@@ -12,6 +12,7 @@ import heapq
 import itertools
 import secrets
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -22,11 +23,17 @@ from .rules import Rules, allocate, has_room
 __all__ = ("LeaseRecord", "LimiterState", "Ticket")
 
 
+# Whether a lease's holder still holds it: a lease with a tether is extended, rather than
+# expired, whenever its time is up while the tether says so (the shell ties it to a live slot).
+Tether = Callable[[], bool]
+
+
 @attrs.define(eq=False)
 class LeaseRecord:
     lease_id: str
     workload: str
     expires_at: float
+    tether: Tether | None = None
 
 
 @attrs.define(eq=False)
@@ -38,6 +45,7 @@ class Ticket:
     enqueued_at: float
     lease: LeaseRecord | None = None
     waker: Any = None
+    tether: Tether | None = None
 
 
 def _arrival(ticket: Ticket) -> int:
@@ -68,7 +76,9 @@ class LimiterState:
 
     # -- requests -------------------------------------------------------------------------
 
-    def submit(self, workload: str, now: float) -> tuple[Ticket, list[Ticket]]:
+    def submit(
+        self, workload: str, now: float, tether: Tether | None = None
+    ) -> tuple[Ticket, list[Ticket]]:
         """Add a request; return it (granted at once when ``ticket.lease`` is set) and any
         tickets granted because expired leases were swept first.
 
@@ -76,7 +86,7 @@ class LimiterState:
             ConcurrencyQueueFullError: it would have to wait and ``max_queued`` are waiting.
         """
         swept = self.expire(now) if self._expiries and self._expiries[0][0] <= now else []
-        ticket = Ticket(seq=next(self._seq), workload=workload, enqueued_at=now)
+        ticket = Ticket(seq=next(self._seq), workload=workload, enqueued_at=now, tether=tether)
         # Fast path of `allocate`: an empty queue means every earlier waiter belongs to a
         # workload without room, so this request goes first iff its own workload has room.
         if not self.queues[workload] and has_room(
@@ -91,6 +101,35 @@ class LimiterState:
         self.queues[workload][ticket.seq] = ticket
         self.queued += 1
         return ticket, swept
+
+    def take_nowait(
+        self, workload: str, now: float, tether: Tether | None
+    ) -> tuple[LeaseRecord | None, list[Ticket]]:
+        """Grant a slot now if the request would not have to wait, else take nothing; also
+        return the tickets granted because expired leases were swept first."""
+        swept = self.expire(now) if self._expiries and self._expiries[0][0] <= now else []
+        if self.queues[workload] or not has_room(
+            self.rules, self.active, workload, self.shared_used
+        ):
+            return None, swept
+        return self._lease(workload, now, tether), swept
+
+    def regrant(self, ticket: Ticket, now: float) -> list[Ticket]:
+        """A granted ticket whose lease ran out before its waiter could use it (the waiter's
+        thread or loop stalled): drop that lease and put the ticket back at the head of its
+        queue, where it was when it was granted. Returns what allocation grants now, which
+        may be the ticket itself again."""
+        record = ticket.lease
+        assert record is not None
+        ticket.lease = None
+        if self.leases.get(record.lease_id) is record:
+            del self.leases[record.lease_id]
+            self._drop(record)
+        queue = self.queues[ticket.workload]
+        queue[ticket.seq] = ticket
+        queue.move_to_end(ticket.seq, last=False)
+        self.queued += 1
+        return self._allocate(now)
 
     def withdraw(self, ticket: Ticket, now: float) -> list[Ticket]:
         """Take a request back: out of the queue, or, if it was granted meanwhile, give the
@@ -115,7 +154,9 @@ class LimiterState:
     def renew(self, lease_id: str, now: float) -> LeaseRecord | None:
         """Extend a valid lease by ``lease_ttl``; None when it is no longer held."""
         record = self.leases.get(lease_id)
-        if record is None or record.expires_at <= now:
+        if record is None or (
+            record.expires_at <= now and (record.tether is None or not record.tether())
+        ):
             return None
         record.expires_at = now + self.lease_ttl
         heapq.heappush(self._expiries, (record.expires_at, lease_id))
@@ -123,16 +164,32 @@ class LimiterState:
         return record
 
     def expire(self, now: float) -> list[Ticket]:
-        """Drop every lease whose time is up and grant what that frees."""
+        """Drop every lease whose time is up and grant what that frees. A tethered lease
+        whose holder still holds it is extended by ``lease_ttl`` instead."""
         expired = False
+        kept: list[LeaseRecord] = []
         while self._expiries and self._expiries[0][0] <= now:
             expires_at, lease_id = heapq.heappop(self._expiries)
             record = self.leases.get(lease_id)
-            if record is not None and record.expires_at == expires_at:
-                del self.leases[lease_id]
-                self._drop(record)
-                expired = True
+            if record is None or record.expires_at != expires_at:
+                continue
+            if record.tether is not None and record.tether():
+                kept.append(record)
+                continue
+            del self.leases[lease_id]
+            self._drop(record)
+            expired = True
+        for record in kept:
+            record.expires_at = now + self.lease_ttl
+            heapq.heappush(self._expiries, (record.expires_at, record.lease_id))
         return self._allocate(now) if expired else []
+
+    def rebase(self, now: float) -> None:
+        """The shell moved this idle state (no lease, no waiter) to another clock: forget
+        every time kept on the old one."""
+        assert not self.leases
+        assert not self.queued
+        self._expiries.clear()
 
     def next_expiry(self) -> float | None:
         """When the earliest lease may expire (a lower bound: renewals move it later)."""
@@ -147,17 +204,20 @@ class LimiterState:
     # -- internals ------------------------------------------------------------------------
 
     def _grant(self, ticket: Ticket, now: float) -> None:
+        ticket.lease = self._lease(ticket.workload, now, ticket.tether)
+
+    def _lease(self, workload: str, now: float, tether: Tether | None) -> LeaseRecord:
         lease_id = f"{self._prefix}-{next(self._lease_seq)}"
         record = LeaseRecord(
-            lease_id=lease_id, workload=ticket.workload, expires_at=now + self.lease_ttl
+            lease_id=lease_id, workload=workload, expires_at=now + self.lease_ttl, tether=tether
         )
         self.leases[lease_id] = record
-        held = self.active[ticket.workload]
-        if held >= self.rules.workloads[ticket.workload].reserved:
+        held = self.active[workload]
+        if held >= self.rules.workloads[workload].reserved:
             self.shared_used += 1
-        self.active[ticket.workload] = held + 1
+        self.active[workload] = held + 1
         heapq.heappush(self._expiries, (record.expires_at, lease_id))
-        ticket.lease = record
+        return record
 
     def _compact(self) -> None:
         # Released and renewed leases leave stale entries in the expiry heap; rebuilding it

@@ -46,8 +46,8 @@ def subscribe(callback: Callback, limiter: Any = None) -> Callable[[], None]:
 
     Args:
         callback: Called with each event (a frozen object with a ``kind``), synchronously,
-            in the task that caused it. An exception it raises is logged and never reaches
-            the slot.
+            in the task or thread that caused it. An exception it raises is logged and never
+            reaches the slot.
         limiter: Any limiter object, built-in or custom; None for every limiter in the
             process.
 
@@ -95,11 +95,14 @@ def wants(limiter: Any) -> bool:
 
 
 def emit(limiter: Any, event: ConcurrencyEvent) -> None:
-    """Deliver ``event``; a callback that raises is logged and never reaches the slot."""
+    """Deliver ``event``; a callback that raises is logged and never reaches the slot (only
+    ``KeyboardInterrupt`` and ``SystemExit`` go on)."""
     for entry in (*(_callbacks(limiter) or ()), *_everywhere):
         try:
             entry.callback(event)
-        except Exception:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:
             _logger.exception(
                 "slotwise event subscriber %r raised on %s", entry.callback, event.kind
             )

@@ -1,18 +1,24 @@
-"""Lease renewal for every held slot of an event loop, scheduled by one task, not one per slot.
+"""Lease renewal for the held slots of an event loop, scheduled by one task, not one per slot.
 
-The keeper is a system task of the running event loop, started when the first slot is held.
-A slot's first renewal is kept in an insertion-ordered group per lease TTL (slots arrive in
-due order, so adding and removing one is O(1) and a released slot leaves nothing behind);
-later renewals and retries, which complete in any order, go to a heap. Each renewal runs in a
-short task of its own, so one that hangs delays no other. Each lease is renewed every third of its TTL; a renewal
-that raises is retried until the lease would have expired; a lease the limiter no longer holds
-(or one that expires while its renewals fail) is lost, which cancels the slot's body.
+The keeper is a system task of its event loop, started when the first slot whose lease must
+be renewed is held there (slots of a limiter that ties leases to their slots, such as
+`MemoryLimiter`, need none). A slot's first renewal is kept in an insertion-ordered group per
+lease TTL (slots arrive in due order, so adding and removing one is O(1) and a released slot
+leaves nothing behind); later renewals and retries, which complete in any order, go to a heap.
+Each renewal runs in a short task of its own, so one that hangs delays no other. Each lease is
+renewed every third of its TTL; a renewal that fails in any way (an exception, a cancellation
+that is not the keeper's own, a hang past the lease) is reported and retried until the lease
+would have expired; a lease the limiter no longer holds, or one that expires while its
+renewals fail, is lost, which cancels the slot's body. Nothing a limiter or a subscriber
+raises stops the keeper.
 """
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
+import logging
 import math
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -20,29 +26,48 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._config import DEFAULT_LEASE_TTL
-from .loop import loop_identity, now, spawn
+from .loop import Loop, TrioLoop
 
 if TYPE_CHECKING:
     from .lifecycle import Slot
 
-__all__ = ("DEFAULT_LEASE_TTL", "forget", "lease_ttl", "track")
+__all__ = ("DEFAULT_LEASE_TTL", "lease_ttl", "track")
 
 _RETRY_FRACTION = 0.1  # after a failed renewal, retry after this fraction of the TTL
 _IDLE_LINGER = 5.0  # seconds an idle keeper waits for new slots before it ends
 
+_logger = logging.getLogger("slotwise")
+
 
 def lease_ttl(limiter: Any) -> float:
-    """The limiter's ``lease_ttl`` in seconds, or 30 s when it has none."""
+    """The limiter's `lease_ttl` in seconds, or 30 s when it has none."""
     ttl = getattr(limiter, "lease_ttl", None)
     if isinstance(ttl, int | float) and not isinstance(ttl, bool) and 0 < ttl < math.inf:
         return float(ttl)
     return DEFAULT_LEASE_TTL
 
 
-class _Keeper:
-    __slots__ = ("_alarm", "_groups", "_later", "_renewing", "_running", "_seq", "_wake")
+def _fatal(exc: BaseException) -> bool:
+    return isinstance(exc, KeyboardInterrupt | SystemExit)
 
-    def __init__(self) -> None:
+
+def _own_cancellation(exc: BaseException, loop: Loop) -> bool:
+    """Whether ``exc`` is the cancellation of the running task itself (the keeper stopping,
+    the loop shutting down), rather than one a limiter raised on its own (a driver's future
+    cancelled under it)."""
+    if isinstance(loop, TrioLoop):
+        return isinstance(exc, loop.cancelled)
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+class _Keeper:
+    __slots__ = ("_alarm", "_groups", "_later", "_loop", "_renewing", "_running", "_seq", "_wake")
+
+    def __init__(self, loop: Loop) -> None:
+        self._loop = loop
         # A slot's first renewal: ttl -> slots in due order (slot -> due). Slots arrive in
         # due order, so adding and removing one is O(1) and a released slot leaves nothing.
         self._groups: dict[float, OrderedDict[Slot, float]] = {}
@@ -63,6 +88,12 @@ class _Keeper:
         group[slot] = due
         self._scheduled(due)
 
+    def forget(self, slot: Slot) -> None:
+        """Stop renewing ``slot`` (it was released)."""
+        group = self._groups.get(slot._ttl)
+        if group is not None:
+            group.pop(slot, None)
+
     def _again(self, slot: Slot, due: float, ttl: float) -> None:
         heapq.heappush(self._later, (due, next(self._seq), slot, ttl))
         self._scheduled(due)
@@ -70,14 +101,9 @@ class _Keeper:
     def _scheduled(self, due: float) -> None:
         if not self._running:
             self._running = True
-            spawn(self.main)
+            self._loop.spawn(self._main)
         elif due < self._alarm and self._wake is not None:
             self._wake.set()
-
-    def remove(self, slot: Slot, ttl: float) -> None:
-        group = self._groups.get(ttl)
-        if group is not None:
-            group.pop(slot, None)
 
     def _next_due(self) -> float | None:
         later = self._later
@@ -88,47 +114,60 @@ class _Keeper:
             dues.append(later[0][0])
         return min(dues) if dues else None
 
-    async def main(self) -> None:
-        idle_since: float | None = None
+    async def _main(self) -> None:
         try:
-            # Renewals run side by side in this task group: one that hangs (a stuck database
-            # connection) must not hold up the renewal of any other slot.
-            async with anyio.create_task_group() as tg:
-                while True:
-                    due = self._next_due()
-                    current = now()
-                    if due is not None and due <= current:
-                        idle_since = None
-                        for slot, ttl in self._pop_due(current):
-                            renew_nowait = getattr(slot.limiter, "renew_nowait", None)
-                            if renew_nowait is None:
-                                self._renewing += 1
-                                tg.start_soon(self._renew, slot, ttl)
-                                continue
-                            # A limiter that renews without awaiting needs no task.
-                            try:
-                                renewed = renew_nowait(slot.lease)
-                            except Exception as exc:
-                                self._failed(slot, ttl, exc)
-                            else:
-                                self._renewed(slot, ttl, current, renewed)
-                        continue
-                    if due is None and not self._renewing:
-                        idle_since = current if idle_since is None else idle_since
-                        if current - idle_since >= _IDLE_LINGER:
-                            return
-                        self._alarm = idle_since + _IDLE_LINGER
-                    else:
-                        idle_since = None
-                        self._alarm = math.inf if due is None else due
-                    self._wake = anyio.Event()
-                    with anyio.move_on_after(self._alarm - current):
-                        await self._wake.wait()
-                    self._wake = None
+            while True:
+                try:
+                    await self._serve()
+                    return
+                except Exception:
+                    # A fault of the keeper's own: the slots it renews must not pay for it.
+                    _logger.exception("slotwise: the lease keeper failed; it carries on")
+                    await anyio.sleep(0.01)
         finally:
             self._running = False
             self._wake = None
             self._alarm = math.inf
+
+    async def _serve(self) -> None:
+        loop = self._loop
+        idle_since: float | None = None
+        # Renewals run side by side in this task group: one that hangs (a stuck database
+        # connection) must not hold up the renewal of any other slot.
+        async with anyio.create_task_group() as tg:
+            while True:
+                due = self._next_due()
+                current = loop.now()
+                if due is not None and due <= current:
+                    idle_since = None
+                    for slot, ttl in self._pop_due(current):
+                        renew_nowait = getattr(type(slot.limiter), "renew_nowait", None)
+                        if renew_nowait is None:
+                            self._renewing += 1
+                            tg.start_soon(self._renew, slot, ttl)
+                            continue
+                        # A limiter that renews without awaiting needs no task.
+                        try:
+                            renewed = renew_nowait(slot.limiter, slot.lease)
+                        except BaseException as exc:
+                            if _fatal(exc):
+                                raise
+                            self._failed(slot, ttl, exc)
+                        else:
+                            self._renewed(slot, ttl, current, renewed)
+                    continue
+                if due is None and not self._renewing:
+                    idle_since = current if idle_since is None else idle_since
+                    if current - idle_since >= _IDLE_LINGER:
+                        return
+                    self._alarm = idle_since + _IDLE_LINGER
+                else:
+                    idle_since = None
+                    self._alarm = math.inf if due is None else due
+                self._wake = anyio.Event()
+                with anyio.move_on_after(self._alarm - current):
+                    await self._wake.wait()
+                self._wake = None
 
     def _pop_due(self, current: float) -> list[tuple[Slot, float]]:
         batch: list[tuple[Slot, float]] = []
@@ -152,12 +191,14 @@ class _Keeper:
                 self._wake.set()  # the keeper may now start to linger
 
     async def _renew_once(self, slot: Slot, ttl: float) -> None:
-        started = now()
+        started = self._loop.now()
         try:
             # A renewal that hangs must not outlive the lease it is trying to save.
             with anyio.fail_after(max(0.0, slot._renewed_at + ttl - started)):
                 renewed = await slot.limiter.renew(slot.lease)
-        except Exception as exc:
+        except BaseException as exc:
+            if _fatal(exc) or _own_cancellation(exc, self._loop):
+                raise
             self._failed(slot, ttl, exc)
         else:
             self._renewed(slot, ttl, started, renewed)
@@ -172,40 +213,23 @@ class _Keeper:
         slot._renewed_at = started
         self._again(slot, started + ttl / 3, ttl)
 
-    def _failed(self, slot: Slot, ttl: float, exc: Exception) -> None:
+    def _failed(self, slot: Slot, ttl: float, exc: BaseException) -> None:
         if slot._released:
             return
         slot._renewal_failed(exc)
         expires = slot._renewed_at + ttl
-        current = now()
+        current = self._loop.now()
         if current >= expires:
             slot._lose()
         else:
             self._again(slot, min(expires, current + ttl * _RETRY_FRACTION), ttl)
 
 
-# The keeper of the loop that ran most recently: one identity check on the hot path. A
-# program runs one loop at a time; a new loop (a new test, a new anyio.run) gets a new keeper.
-_keepers: tuple[object, _Keeper] = (object(), _Keeper())
-
-
-def _keeper() -> _Keeper:
-    global _keepers
-    loop = loop_identity()
-    entry = _keepers  # read once: another thread may replace it meanwhile
-    if entry[0] is not loop:
-        entry = _keepers = (loop, _Keeper())
-    return entry[1]
-
-
-def track(slot: Slot) -> None:
-    """Renew ``slot``'s lease until :func:`forget` is called or the lease is lost."""
+def track(slot: Slot, loop: Loop) -> None:
+    """Renew ``slot``'s lease on ``loop`` until it is released or the lease is lost."""
+    keeper = loop.keeper
+    if keeper is None:
+        keeper = loop.keeper = _Keeper(loop)
     ttl = slot._ttl = lease_ttl(slot.limiter)
-    slot._keeper = _keeper()
-    slot._keeper.add(slot, slot._renewed_at + ttl / 3, ttl)
-
-
-def forget(slot: Slot) -> None:
-    """Stop renewing ``slot`` (it was released)."""
-    if slot._keeper is not None:
-        slot._keeper.remove(slot, slot._ttl)
+    slot._keeper = keeper
+    keeper.add(slot, slot._renewed_at + ttl / 3, ttl)

@@ -1,9 +1,18 @@
 """The slot lifecycle, written once for every limiter, built-in or custom.
 
-acquire (bounded by the run's budget; the limiter applies ``max_wait``) -> hold (the keeper
-renews the lease; a lost lease cancels the body) -> release (exactly once, shielded, from
-whichever task ends the slot). Every outcome is an event; every failure an error carrying the
-request's lineage.
+acquire (the one place a wait ends: the limiter's own deadline, or the run's budget) -> hold
+(the lease is kept alive; a lost lease cancels the body) -> release (exactly once, shielded,
+from whichever task ends the slot). Every outcome is an event; every failure an error carrying
+the request's lineage.
+
+Two ways to keep a lease alive while it is held:
+
+- A limiter whose class offers ``_take_nowait`` / ``_take`` (``MemoryLimiter``) ties each
+  lease to its `Slot` object: the lease stays valid while the slot is neither released nor
+  garbage collected, so nothing renews it, it cannot be lost to a stalled loop, and its body
+  needs no cancel scope.
+- Any other limiter's lease is renewed by the keeper of the holder's event loop; if it is
+  lost, the body's cancel scope is cancelled.
 """
 
 from __future__ import annotations
@@ -14,7 +23,9 @@ import itertools
 import logging
 import math
 import secrets
+import sys
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar, Token
 from functools import partial
@@ -22,7 +33,6 @@ from types import TracebackType
 from typing import Any, Generic, TypeVar, final
 
 import anyio
-from anyio.lowlevel import checkpoint_if_cancelled
 
 from .._config import DEFAULT_WORKLOAD
 from .._errors import (
@@ -49,10 +59,10 @@ from .._events import (
 )
 from .._protocol import AcquireRequest, SupportsLease
 from . import dispatch, keeper
-from .loop import cancel_scope, checkpoint, now, trio_running
+from .loop import Loop, TrioLoop, require
 from .runs import Run, current_run
 
-__all__ = ("Slot", "acquire", "slot")
+__all__ = ("Slot", "acquire", "is_cancellation", "outcome_of", "slot")
 
 W = TypeVar("W", bound=str)
 
@@ -63,24 +73,63 @@ _request_seq = itertools.count(1)
 _holding: ContextVar[tuple[Slot, ...]] = ContextVar("slotwise_holding", default=())
 
 
+def is_cancellation(exc: BaseException, cancelled: type[BaseException]) -> bool:
+    """Whether ``exc`` only says that the code was cancelled: the backend's cancellation, an
+    async generator closed early, or a group made of nothing else (a cancelled nursery)."""
+    if isinstance(exc, cancelled | GeneratorExit):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return all(is_cancellation(inner, cancelled) for inner in exc.exceptions)
+    return False
+
+
+def outcome_of(exc: BaseException | None, cancelled: type[BaseException]) -> Outcome:
+    """The ``released`` outcome of a body that ended with ``exc`` (None: it returned)."""
+    if exc is None:
+        return "completed"
+    return "cancelled" if is_cancellation(exc, cancelled) else "failed"
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _epoch(deadline: float | None, loop: Loop) -> float | None:
+    if deadline is None or math.isinf(deadline):
+        return None
+    return time.time() + (deadline - loop.now())
+
+
+# -- release, shielded ------------------------------------------------------------------------
+
 _releasing: set[asyncio.Future[Any]] = set()
 
 
-async def _release_shielded(
-    limiter: Any,
-    lease: SupportsLease,
-    done: Callable[[Exception | None], None] = lambda error: None,
+async def _release(
+    limiter: Any, lease: SupportsLease, done: Callable[[BaseException | None], None]
 ) -> None:
-    """``await limiter.release(lease)`` to the end, whatever cancels the caller, then call
-    ``done`` with the exception the release raised (or None) exactly once.
+    """Give ``lease`` back to ``limiter`` to the end, whatever cancels the caller, then call
+    ``done`` exactly once with what the release raised (None when it succeeded).
 
-    anyio's shield stops anyio's cancellations only: on asyncio a native cancellation
-    (``task.cancel()``, ``asyncio.timeout``, ``asyncio.TaskGroup``) goes through it, so there the
-    release runs in a task of its own that the caller's cancellation cannot interrupt, and
-    ``done`` runs when that task ends, even if the caller has gone.
+    A limiter whose class offers ``release_nowait`` is released synchronously. Otherwise the
+    release is awaited inside a shield; anyio's shield stops anyio's cancellations only, so
+    on asyncio the release runs in a task of its own that a native cancellation of the caller
+    (``task.cancel()``, ``asyncio.timeout``, the shutdown of ``asyncio.run()``) cannot
+    interrupt: the caller's cancellation is re-raised at once and ``done`` runs when the
+    release ends.
     """
+    nowait = getattr(type(limiter), "release_nowait", None)
+    if nowait is not None:
+        try:
+            nowait(limiter, lease)
+        except Exception as exc:
+            done(exc)
+        else:
+            done(None)
+        return
     with anyio.CancelScope(shield=True):
-        if trio_running():
+        loop = require()
+        if isinstance(loop, TrioLoop):
             try:
                 await limiter.release(lease)
             except Exception as exc:
@@ -94,38 +143,32 @@ async def _release_shielded(
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
-            if not task.cancelled():
-                # The caller was cancelled: the release goes on, and reports when it ends.
-                task.add_done_callback(lambda task: done(_outcome_of(task)))
+            caller = asyncio.current_task()
+            if not task.done() or (caller is not None and caller.cancelling()):
+                # The caller is cancelled: it goes at once; the release reports when it ends.
+                task.add_done_callback(lambda task: done(_error_of(task)))
                 raise
+            # Only the release was cancelled (not its caller): a release that failed.
         except Exception:
             pass  # reported below
-        done(_outcome_of(task))
+        done(_error_of(task))
 
 
-def _outcome_of(task: asyncio.Future[Any]) -> Exception | None:
+def _error_of(task: asyncio.Future[Any]) -> BaseException | None:
     if task.cancelled():
         return RuntimeError("the release was cancelled")
-    error = task.exception()
-    return error if isinstance(error, Exception) or error is None else RuntimeError(repr(error))
+    return task.exception()
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _epoch(deadline: float | None) -> float | None:
-    if deadline is None or math.isinf(deadline):
-        return None
-    return time.time() + (deadline - now())
+# -- the slot ---------------------------------------------------------------------------------
 
 
 @final
 class Slot:
     """A held slot (or, outside any limit, a stand-in that limits nothing).
 
-    ``async with limiter.slot()`` yields one; ``await slotwise.acquire()`` returns one that
-    any task may end with :meth:`release`.
+    `async with limiter.slot()` yields one; `await slotwise.acquire()` returns one that any
+    task may end with `release()`.
 
     Attributes:
         limiter: The limiter, or None when nothing is limited.
@@ -135,16 +178,21 @@ class Slot:
         run_id: The run that took it, or None.
         root_run_id: The root of that run's tree.
         parent_run_id: That run's parent.
-        lease: The limiter's lease, renewed in place; None when nothing is limited.
+        lease: The limiter's lease, kept valid while the slot is held; None when nothing is
+            limited.
     """
 
     __slots__ = (
+        "__weakref__",
         "_acquired_at",
+        "_cancelled",
         "_keeper",
         "_lost",
+        "_outer",
         "_released",
         "_renewed_at",
         "_scope",
+        "_token",
         "_ttl",
         "lease",
         "limiter",
@@ -165,22 +213,24 @@ class Slot:
             self.limiter_name = str(getattr(limiter, "name", type(limiter).__name__))
             self.request_id = f"{_prefix}-{next(_request_seq)}"
         self.workload: str | None = None
-        self.run_id = run.run_id if run is not None else None
-        self.root_run_id = run.root_run_id if run is not None else None
-        self.parent_run_id = run.parent_run_id if run is not None else None
+        if run is None:
+            self.run_id = self.root_run_id = self.parent_run_id = None
+        else:
+            self.run_id = run.run_id
+            self.root_run_id = run.root_run_id
+            self.parent_run_id = run.parent_run_id
         self.lease: SupportsLease | None = None
         self._acquired_at = 0.0
         self._renewed_at = 0.0
-        self._released = True  # nothing is held until a lease is granted
+        # Not released while it is being acquired: a lease tied to this slot is held.
+        self._released = limiter is None
         self._lost = False
-        self._scope: Any = None  # the body's cancel scope, while in `async with`
+        self._scope: Any = None  # the body's cancel scope, when the lease can be lost
+        self._token: Token[tuple[Slot, ...]] | None = None  # its entry in _holding
+        self._outer: Slot | None = None  # the slot the same frame entered before this one
         self._keeper: Any = None
         self._ttl = 0.0
-
-    def _hold(self, lease: SupportsLease, at: float) -> None:
-        self.lease = lease
-        self._acquired_at = self._renewed_at = at
-        self._released = False
+        self._cancelled: type[BaseException] = BaseException
 
     @property
     def lease_id(self) -> str | None:
@@ -201,40 +251,38 @@ class Slot:
         """Give the slot back: once, shielded from cancellation, from any task. Idempotent.
 
         Args:
-            outcome: Reported in the ``released`` event.
+            outcome: Reported in the `released` event.
         """
         if self._released or self.lease is None:
+            self._released = True
             return
         self._released = True
-        keeper.forget(self)
-        lease = self.lease
-        release_nowait = getattr(self.limiter, "release_nowait", None)
-        if release_nowait is None:
-            await _release_shielded(self.limiter, lease, partial(self._released_as, outcome))
-            return
-        try:
-            release_nowait(lease)
-        except Exception as exc:
-            self._released_as(outcome, exc)
-        else:
-            self._released_as(outcome, None)
+        if self._keeper is not None:
+            self._keeper.forget(self)
+        await _release(self.limiter, self.lease, partial(self._released_as, outcome))
 
-    def _released_as(self, outcome: Outcome, error: Exception | None) -> None:
+    def _released_as(self, outcome: Outcome, error: BaseException | None) -> None:
         lease_id = self.lease_id or ""
         if error is not None:
-            _logger.warning("slotwise: releasing lease %s failed: %s", lease_id, _describe(error))
-            self._emit(ReleaseFailedEvent, lease_id=lease_id, error=_describe(error))
-        elif dispatch.wants(self.limiter):  # saves a clock read on the hot path
+            self._release_failed(error)
+        elif dispatch.wants(self.limiter):
             self._emit(
                 ReleasedEvent,
                 lease_id=lease_id,
-                hold_time=now() - self._acquired_at,
+                hold_time=_now() - self._acquired_at,
                 outcome=outcome,
             )
 
+    def _release_failed(self, error: BaseException | None) -> None:
+        if error is None:
+            return
+        lease_id = self.lease_id or ""
+        _logger.warning("slotwise: releasing lease %s failed: %s", lease_id, _describe(error))
+        self._emit(ReleaseFailedEvent, lease_id=lease_id, error=_describe(error))
+
     # -- used by the keeper ---------------------------------------------------------------
 
-    def _renewal_failed(self, exc: Exception) -> None:
+    def _renewal_failed(self, exc: BaseException) -> None:
         if self.lease is not None:
             self._emit(RenewalFailedEvent, lease_id=self.lease.lease_id, error=_describe(exc))
 
@@ -246,7 +294,7 @@ class Slot:
             self._emit(
                 LeaseLostEvent,
                 lease_id=self.lease.lease_id,
-                hold_time=now() - self._acquired_at,
+                hold_time=_now() - self._acquired_at,
             )
         if self._scope is not None:
             self._scope.cancel()
@@ -280,8 +328,27 @@ class Slot:
         )
 
 
+def _now() -> float:
+    loop = require()
+    return loop.now()
+
+
+def _tether(slot: Slot) -> Callable[[], bool]:
+    """Whether ``slot`` still holds its lease: it is alive and not released."""
+    ref = weakref.ref(slot)
+
+    def holds() -> bool:
+        held = ref()
+        return held is not None and not held._released
+
+    return holds
+
+
+# -- acquire ----------------------------------------------------------------------------------
+
+
 class _BudgetEnded(Exception):
-    """The request's own budget scope ended the wait."""
+    """The request's budget scope ended the wait of a limiter that ignores deadlines."""
 
 
 _ERROR_EVENTS: tuple[tuple[type[ConcurrencyError], Any], ...] = (
@@ -296,40 +363,45 @@ async def acquire(
     limiter: Any = None,
     allow_nested: bool = False,
 ) -> Slot:
-    """Wait for a slot and return it; the caller (any task) must ``await slot.release()``.
+    """Wait for a slot and return it; the caller (any task) must `await slot.release()`.
 
-    Prefer ``async with slotwise.slot()``, which also cancels the body when the lease is
-    lost. This form suits a slot that outlives the code that took it, such as a streamed
-    HTTP response closed elsewhere. The lease is renewed until the slot is released.
+    Prefer `async with slotwise.slot()`, which also cancels the body when the lease is lost.
+    This form suits a slot that outlives the code that took it, such as a streamed HTTP
+    response closed elsewhere. The lease is kept valid until the slot is released.
 
     Args:
         workload: The workload; default: the current run's (same limiter), else the
             limiter's default.
         limiter: The limiter; default: the current run's. With neither, nothing is
-            limited: an unlimited :class:`Slot` is returned at once and nothing is emitted.
+            limited: an unlimited `Slot` is returned at once and nothing is emitted.
         allow_nested: Take the slot even though this task already holds a slot of the same
             limiter (see the deadlock guard in the docs).
 
     Raises:
-        ConcurrencyTimeoutError: no slot before ``max_wait`` or the run's budget ended.
-        ConcurrencyQueueFullError: ``max_queued`` requests were already waiting.
+        ConcurrencyTimeoutError: no slot before `max_wait` or the run's budget ended.
+        ConcurrencyQueueFullError: `max_queued` requests were already waiting.
         ConcurrencyLimiterError: the limiter failed; fails closed.
         ConcurrencyConfigError: unknown workload, none where one is required, or a nested
-            slot without ``allow_nested``.
+            slot without `allow_nested`.
     """
+    loop = require()
     run = current_run()
     if limiter is None:
         limiter = run.limiter if run is not None else None
         if limiter is None:
-            await checkpoint()
+            await loop.checkpoint()
             return Slot(None, run)
     if workload is None and run is not None and run.limiter is limiter:
         workload = run.workload
     slot = Slot(limiter, run)
+    slot._cancelled = loop.cancelled
     try:
         slot.workload = _resolve(limiter, workload)
-        if not allow_nested and any(
-            held.limiter is limiter and not held.released for held in _holding.get()
+        held = _holding.get()
+        if (
+            held
+            and not allow_nested
+            and any(other.limiter is limiter and not other._released for other in held)
         ):
             raise ConcurrencyConfigError(
                 "this task already holds a slot of this limiter; taking another inside it "
@@ -342,61 +414,85 @@ async def acquire(
             slot.workload = str(workload)
         slot._emit(ConfigErrorEvent, error=_describe(exc))
         raise slot._fill(exc) from None
+    await _obtain(slot, loop, run)
+    return slot
 
+
+async def _obtain(slot: Slot, loop: Loop, run: Run | None) -> None:
+    """Wait for the slot's lease: the one place where a wait ends, and how."""
+    limiter = slot.limiter
+    cls = type(limiter)
+    workload = slot.workload
+    assert workload is not None
     deadline = run.deadline if run is not None else None
-    listening = dispatch.wants(limiter)
-    start = now() if listening else 0.0
-    if listening:
-        max_wait = _max_wait(limiter, slot.workload)
+    start = loop.now()
+    if dispatch.wants(limiter):
+        max_wait = _max_wait(limiter, workload)
         effective = deadline
         if max_wait is not None:
             effective = start + max_wait if effective is None else min(effective, start + max_wait)
-        slot._emit(WaitStartedEvent, deadline=_epoch(effective))
-    request = AcquireRequest(
-        workload=slot.workload,
-        request_id=slot.request_id or "",
-        run_id=slot.run_id,
-        root_run_id=slot.root_run_id,
-        parent_run_id=slot.parent_run_id,
-        deadline=deadline,
-    )
-    # The run's budget bounds the wait even for a limiter that ignores request.deadline; only
-    # this scope firing (never an unrelated cancellation) turns into a timeout.
-    budget = None if deadline is None else anyio.CancelScope(deadline=deadline)
+        slot._emit(WaitStartedEvent, deadline=_epoch(effective, loop))
+    take_nowait = getattr(cls, "_take_nowait", None)
+    budget = None
     try:
-        if budget is None:
-            lease = await limiter.acquire(request)
+        if take_nowait is not None:
+            # The limiter keeps the lease valid while the slot lives and honours the deadline
+            # itself: it takes a slot or a place in the queue before anything yields.
+            tether = _tether(slot)
+            lease = take_nowait(limiter, workload, loop, tether)
+            if lease is None:
+                lease = await cls._take(limiter, workload, loop, deadline, tether)
+            else:
+                try:
+                    await loop.checkpoint()
+                except BaseException:
+                    # The slot was free but the request was cancelled: nothing was held.
+                    cls.release_nowait(limiter, lease)
+                    raise
         else:
-            with budget:
+            request = AcquireRequest(
+                workload=workload,
+                request_id=slot.request_id or "",
+                run_id=slot.run_id,
+                root_run_id=slot.root_run_id,
+                parent_run_id=slot.parent_run_id,
+                deadline=deadline,
+            )
+            # The run's budget bounds the wait even for a limiter that ignores the deadline.
+            if deadline is None:
                 lease = await limiter.acquire(request)
-            if budget.cancelled_caught:
-                raise _BudgetEnded
-        try:
-            # Granted just as the request was cancelled: give it back before any body runs.
-            await checkpoint_if_cancelled()
-        except BaseException:
-            await _release_shielded(limiter, lease)  # never raises what the release raised
+            else:
+                with anyio.CancelScope(deadline=deadline) as budget:
+                    lease = await limiter.acquire(request)
+                if budget.cancelled_caught:
+                    raise _BudgetEnded
+            try:
+                # Granted just as the request was cancelled: give it back before any body.
+                await anyio.lowlevel.checkpoint_if_cancelled()
+            except BaseException:
+                slot.lease = lease
+                await _release(limiter, lease, slot._release_failed)
+                raise
+    except BaseException as exc:
+        waited = loop.now() - start
+        if isinstance(exc, _BudgetEnded | loop.cancelled):
+            if isinstance(exc, _BudgetEnded) or _budget_ended(run, loop):
+                slot._emit(TimedOutEvent, wait_time=waited)
+                raise slot._fill(
+                    ConcurrencyTimeoutError(
+                        "the run's time budget ended while the request waited for a slot"
+                    )
+                ) from None
+            slot._emit(WaitCancelledEvent, wait_time=waited)
             raise
-    except (_BudgetEnded, anyio.get_cancelled_exc_class()) as exc:
-        waited = now() - start if listening else 0.0
-        if isinstance(exc, _BudgetEnded) or (
-            budget is not None and budget.cancel_called and not (run is not None and run.cancelled)
-        ):
-            slot._emit(TimedOutEvent, wait_time=waited)
-            raise slot._fill(
-                ConcurrencyTimeoutError(
-                    "the run's time budget ended while the request waited for a slot"
-                )
-            ) from None
-        slot._emit(WaitCancelledEvent, wait_time=waited)
-        raise
-    except ConcurrencyConfigError as exc:
-        slot._emit(ConfigErrorEvent, error=_describe(exc))
-        raise slot._fill(exc) from None
-    except Exception as exc:
-        waited = now() - start if listening else 0.0
-        for cls, event in _ERROR_EVENTS:
-            if isinstance(exc, cls):
+        if isinstance(exc, ConcurrencyConfigError):
+            slot._emit(ConfigErrorEvent, error=_describe(exc))
+            raise slot._fill(exc) from None
+        if not isinstance(exc, Exception):
+            slot._emit(WaitCancelledEvent, wait_time=waited)
+            raise
+        for error_cls, event in _ERROR_EVENTS:
+            if isinstance(exc, error_cls):
                 slot._emit(event, wait_time=waited)
                 raise slot._fill(exc) from None
         slot._emit(LimiterErrorEvent, wait_time=waited, error=_describe(exc))
@@ -405,11 +501,22 @@ async def acquire(
         raise slot._fill(
             ConcurrencyLimiterError(f"the limiter failed while acquiring a slot: {_describe(exc)}")
         ) from exc
-    slot._hold(lease, now())
-    keeper.track(slot)
-    if listening:
-        slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=slot._acquired_at - start)
-    return slot
+    slot.lease = lease
+    slot._acquired_at = slot._renewed_at = now = loop.now()
+    if take_nowait is None:
+        keeper.track(slot, loop)
+    if dispatch.wants(limiter):
+        slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=now - start)
+
+
+def _budget_ended(run: Run | None, loop: Loop) -> bool:
+    """Whether a cancellation that ended a wait is the run's budget running out."""
+    return (
+        run is not None
+        and not run.cancelled
+        and run.deadline is not None
+        and loop.now() >= run.deadline
+    )
 
 
 def _resolve(limiter: Any, workload: str | None) -> str:
@@ -429,27 +536,39 @@ def _max_wait(limiter: Any, workload: str) -> float | None:
     return None
 
 
+# -- async with -------------------------------------------------------------------------------
+
+
 @final
 class SlotContext(Generic[W]):
-    """``async with`` form of :func:`acquire`: yields the :class:`Slot`, releases it on exit,
-    and cancels the body if the lease is lost."""
+    """`async with` form of `acquire()`: yields the `Slot`, releases it on exit, and cancels
+    the body if the lease is lost.
 
-    __slots__ = ("_allow_nested", "_limiter", "_slot", "_token", "_workload")
+    One object may be entered by many tasks at once, and again inside itself: each entry
+    takes a slot of its own, and each exit releases the slot of the same entry.
+    """
+
+    __slots__ = ("_allow_nested", "_entered", "_limiter", "_workload")
 
     def __init__(self, workload: W | None, limiter: Any, allow_nested: bool) -> None:
         self._workload = workload
         self._limiter = limiter
         self._allow_nested = allow_nested
-        self._slot: Slot | None = None
-        self._token: Token[tuple[Slot, ...]] | None = None
+        # The slot of each `async with` in progress, by the frame that runs it: the exit
+        # comes from the same frame as its entry, whichever task (or finalizer) runs it.
+        self._entered: dict[Any, Slot] = {}
 
     async def __aenter__(self) -> Slot:
+        frame = sys._getframe(1)
         slot = await acquire(self._workload, limiter=self._limiter, allow_nested=self._allow_nested)
-        self._slot = slot
-        if slot.lease is not None:
-            self._token = _holding.set((*_holding.get(), slot))
-            slot._scope = cancel_scope()
-            slot._scope.__enter__()
+        if slot.lease is None:
+            return slot
+        slot._token = _holding.set((*_holding.get(), slot))
+        if slot._keeper is not None:  # a lease that can be lost: the body can be cancelled
+            scope = slot._scope = require().cancel_scope()
+            scope.__enter__()
+        slot._outer = self._entered.get(frame)
+        self._entered[frame] = slot
         return slot
 
     async def __aexit__(
@@ -458,30 +577,32 @@ class SlotContext(Generic[W]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        slot = self._slot
-        if slot is None or slot._scope is None:
-            return
+        frame = sys._getframe(1)
+        slot = self._entered.get(frame)
+        if slot is None:
+            return  # nothing was limited
+        if slot._outer is None:
+            del self._entered[frame]
+        else:
+            self._entered[frame] = slot._outer
+        lost = False
         scope, slot._scope = slot._scope, None
-        # Only the keeper cancels this scope, and only when the lease is lost: if the scope
-        # swallowed a cancellation, the lease-lost error below takes its place.
         try:
-            scope.__exit__(exc_type, exc, tb)
+            if scope is not None:
+                # Only the keeper cancels this scope, and only when the lease is lost: if the
+                # scope swallowed a cancellation, the lease-lost error below takes its place.
+                scope.__exit__(exc_type, exc, tb)
+                lost = slot._lost and (exc_type is None or scope.cancelled_caught)
         except BaseException:
-            # Exited from another task: an async generator that held the slot across a `yield`
-            # and was finalized by the event loop. The slot must still go back.
+            # Exited from another task: an async generator that held the slot across a
+            # `yield` and was finalized by the event loop. The slot must still go back.
             await slot.release("cancelled")
             raise
         finally:
-            if self._token is not None:
+            if slot._token is not None:
                 with contextlib.suppress(ValueError):  # reset from another context
-                    _holding.reset(self._token)
-        lost = slot._lost and (exc_type is None or scope.cancelled_caught)
-        if lost or (exc_type is not None and isinstance(exc, anyio.get_cancelled_exc_class())):
-            outcome: Outcome = "cancelled"
-        elif exc_type is None:
-            outcome = "completed"
-        else:
-            outcome = "failed"
+                    _holding.reset(slot._token)
+        outcome: Outcome = "cancelled" if lost else outcome_of(exc, slot._cancelled)
         await slot.release(outcome)
         if lost:
             raise ConcurrencyLeaseLostError(
@@ -494,7 +615,7 @@ class SlotContext(Generic[W]):
 def slot(
     workload: W | None = None, *, limiter: Any = None, allow_nested: bool = False
 ) -> SlotContext[W]:
-    """Hold one slot around one provider request: ``async with slotwise.slot(): ...``.
+    """Hold one slot around one provider request: `async with slotwise.slot(): ...`.
 
     Args:
         workload: The workload; default: the current run's (same limiter), else the
@@ -502,7 +623,7 @@ def slot(
         limiter: Any limiter, built-in or custom; default: the current run's. With neither,
             nothing is limited and nothing is emitted (limits are opt-in).
         allow_nested: Allow taking a slot while this task already holds one of the same
-            limiter (otherwise ``ConcurrencyConfigError``, as that can deadlock).
+            limiter (otherwise `ConcurrencyConfigError`, as that can deadlock).
 
     Raises:
         ConcurrencyTimeoutError: on entry, no slot in time.
@@ -511,11 +632,12 @@ def slot(
         ConcurrencyConfigError: on entry, a bad workload or a nested slot.
         ConcurrencyLeaseLostError: on exit, the lease was lost and the body cancelled.
 
-    The body's own exception always reaches the caller unchanged.
+    The body's own exception always reaches the caller unchanged. The object may be kept and
+    entered by many tasks at once, like a semaphore: each entry is a slot of its own.
 
-    Do not hold a slot across a ``yield`` of an async generator: the body's cancel scope
-    cannot follow the generator into its consumer. Take the slot with :func:`acquire` there
-    and release it in the generator's ``finally`` (``slotwise.httpx`` does this for streamed
+    Do not hold a slot across a `yield` of an async generator: the body's cancel scope
+    cannot follow the generator into its consumer. Take the slot with `acquire()` there and
+    release it in the generator's `finally` (`slotwise.httpx` does this for streamed
     responses). If such a generator is abandoned anyway, its slot is still released when the
     event loop finalizes it.
     """

@@ -1,110 +1,196 @@
-"""Cheap access to the running event loop (clock, identity, checkpoints, cancel scopes and
-one-shot wakers) for the hot path, on asyncio and trio.
+"""The running event loop (asyncio or trio), asked once per slot and then directly.
 
-``anyio.current_time()`` looks the backend up on every call; a slot reads the clock several
-times, so these helpers ask the running loop directly. They return exactly what anyio would:
-``loop.time()`` on asyncio, ``trio.current_time()`` on trio (MockClock included).
+``anyio`` looks the backend up on every call; a slot needs the clock, a checkpoint, a way to
+park and a way to be woken, so :func:`current` finds the running loop once and returns an
+object that answers all of these without further lookups. The answers are exactly anyio's:
+``loop.time()`` on asyncio, ``trio.current_time()`` on trio (a ``MockClock`` included).
+
+Wakers are the only part that crosses threads: a limiter shared by several event loops and
+threads grants a slot in whichever thread releases one, and the waiter must be woken on its own
+loop (``call_soon_threadsafe``, a trio token) or thread, never by touching another loop's
+objects directly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import math
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 
 __all__ = (
-    "cancel_scope",
-    "checkpoint",
+    "AsyncioLoop",
+    "Loop",
+    "ThreadWaker",
+    "TrioLoop",
+    "Waker",
+    "current",
     "later",
-    "loop_identity",
-    "new_waker",
-    "now",
-    "park",
+    "require",
     "spawn",
-    "trio_running",
-    "wake",
 )
 
-
-def trio_running() -> bool:
-    """Whether the calling code runs under trio (else asyncio)."""
-    trio = sys.modules.get("trio")
-    return trio is not None and bool(trio.lowlevel.in_trio_run())
+_get_running_loop = asyncio._get_running_loop  # None outside a running loop; no exception
+_ident = threading.get_ident
 
 
-def now() -> float:
-    """The running loop's clock, as ``anyio.current_time()`` reads it."""
-    if trio_running():
-        return float(sys.modules["trio"].current_time())
-    return asyncio.get_running_loop().time()
+class Waker:
+    """A one-shot wake-up call for one waiting task or thread, set from any thread."""
+
+    __slots__ = ()
+
+    def wake(self) -> None:
+        """Wake the waiter (harmless if it was woken already or has gone)."""
+        raise NotImplementedError
 
 
-def loop_identity() -> object:
-    """An object that identifies the running event loop for as long as it runs."""
-    if trio_running():
-        return sys.modules["trio"].lowlevel.current_trio_token()
-    return asyncio.get_running_loop()
+class Loop:
+    """The running event loop, as the slot lifecycle and the limiters use it."""
+
+    __slots__ = ("cancelled", "identity", "keeper", "thread")
+
+    keeper: Any  # the lease keeper of this loop (slotwise._runtime.keeper), once started
+    identity: object  # the loop (asyncio) or the run's token (trio)
+    thread: int
+    cancelled: type[BaseException]  # the backend's cancellation exception
+
+    def now(self) -> float:
+        """The loop's clock, as ``anyio.current_time()`` reads it."""
+        raise NotImplementedError
+
+    def virtual_clock(self) -> Any:
+        """The loop's clock object when it does not follow real time (trio's ``MockClock``,
+        with ``current_time()``), else None."""
+        return None
+
+    async def checkpoint(self) -> None:
+        """Yield to the loop once, raising if the task is cancelled."""
+        raise NotImplementedError
+
+    async def checkpoint_if_cancelled(self) -> None:
+        """Raise if the task is cancelled; yield only then."""
+        raise NotImplementedError
+
+    def waker(self) -> Waker:
+        """A new waker for the current task."""
+        raise NotImplementedError
+
+    async def park(self, waker: Any, until: float) -> None:
+        """Wait until ``waker`` is woken or the loop's clock reaches ``until`` (``inf``:
+        no timer). Returns normally either way; a cancellation of the task raises."""
+        raise NotImplementedError
+
+    def cancel_scope(self) -> Any:
+        """A new cancel scope (``cancel()``, ``cancelled_caught``, the context protocol)."""
+        return anyio.CancelScope()
+
+    def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Start ``fn()`` now as a task nobody awaits (a system task on trio), in a fresh
+        context rather than the caller's."""
+        raise NotImplementedError
 
 
-def cancel_scope() -> Any:
-    """A new cancel scope: trio's own on trio (anyio's wraps it at half again the cost),
-    anyio's on asyncio. Both have ``cancel()``, ``cancelled_caught`` and the context protocol."""
-    if trio_running():
-        return sys.modules["trio"].CancelScope()
-    return anyio.CancelScope()
+# -- asyncio ----------------------------------------------------------------------------------
 
 
-async def checkpoint() -> None:
-    """Yield to the loop once, raising if the task is cancelled: ``anyio.lowlevel.checkpoint``."""
-    if trio_running():
-        await sys.modules["trio"].lowlevel.checkpoint()
-    else:
+def _set_future(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _FutureWaker(Waker):
+    __slots__ = ("future", "loop", "thread")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, thread: int) -> None:
+        self.loop = loop
+        self.thread = thread
+        self.future: asyncio.Future[None] = loop.create_future()
+
+    def wake(self) -> None:
+        if _ident() == self.thread:
+            _set_future(self.future)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: its waiter with it
+            self.loop.call_soon_threadsafe(_set_future, self.future)
+
+
+# Tasks that nothing awaits, kept here so that they are not garbage collected while they run.
+_background: set[asyncio.Task[None]] = set()
+
+
+def _start_asyncio(loop: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[None]]) -> None:
+    task: asyncio.Task[None] = loop.create_task(fn(), context=contextvars.Context())  # type: ignore[arg-type]
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+class AsyncioLoop(Loop):
+    __slots__ = ("loop",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.identity = loop
+        self.keeper = None
+        self.thread = _ident()
+        self.cancelled = asyncio.CancelledError
+
+    def now(self) -> float:
+        return self.loop.time()
+
+    async def checkpoint(self) -> None:
         await asyncio.sleep(0)
 
+    async def checkpoint_if_cancelled(self) -> None:
+        await anyio.lowlevel.checkpoint_if_cancelled()  # anyio's cancel scopes
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # a native task.cancel()
+            await asyncio.sleep(0)
 
-# A waiter's wake-up call: a bare future on asyncio (an asyncio.Event would add a deque and a
-# future per waiter, an anyio.Event one more object); on trio, the waiting task itself.
-Waker = Any
+    def waker(self) -> _FutureWaker:
+        return _FutureWaker(self.loop, self.thread)
 
+    async def park(self, waker: _FutureWaker, until: float) -> None:
+        if until == math.inf:
+            await waker.future
+            return
+        timer = self.loop.call_at(until, _set_future, waker.future)
+        try:
+            await waker.future
+        finally:
+            timer.cancel()
 
-def new_waker() -> Waker:
-    """A one-shot wake-up call for the current task, set from any task of the same loop."""
-    if trio_running():
-        return _TrioWaker()
-    return asyncio.get_running_loop().create_future()
-
-
-def wake(waker: Waker) -> None:
-    """Set ``waker``; harmless if it was set or its waiter is gone."""
-    if isinstance(waker, asyncio.Future):
-        if not waker.done():
-            waker.set_result(None)
-    else:
-        waker.set()
-
-
-async def park(waker: Waker) -> None:
-    """Wait until ``waker`` is set."""
-    if isinstance(waker, asyncio.Future):
-        await waker
-    else:
-        await waker.wait()
+    def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
+        _start_asyncio(self.loop, fn)
 
 
-class _TrioWaker:
+# -- trio -------------------------------------------------------------------------------------
+
+
+class _TrioWaker(Waker):
     """trio.Event without its ParkingLot: one task, set once."""
 
-    __slots__ = ("_set", "_task")
+    __slots__ = ("_set", "_task", "thread", "token")
 
-    def __init__(self) -> None:
+    def __init__(self, token: Any, thread: int) -> None:
         self._set = False
         self._task: Any = None
+        self.token = token
+        self.thread = thread
 
-    def set(self) -> None:
+    def wake(self) -> None:
+        if _ident() == self.thread:
+            self._wake_here()
+            return
+        with contextlib.suppress(RuntimeError):  # trio.RunFinishedError: the run has ended
+            self.token.run_sync_soon(self._wake_here)
+
+    def _wake_here(self) -> None:
         if self._set:
             return
         self._set = True
@@ -125,37 +211,129 @@ class _TrioWaker:
         await lowlevel.wait_task_rescheduled(self._abort)
 
 
-Start = Callable[[Callable[[], Awaitable[None]]], None]
+class TrioLoop(Loop):
+    __slots__ = ("_trio", "clock")
 
-# Tasks that nothing awaits, kept here so that they are not garbage collected while they run.
-_background: set[asyncio.Task[None]] = set()
+    def __init__(self, token: Any) -> None:
+        trio = self._trio = sys.modules["trio"]
+        self.identity = token
+        self.keeper = None
+        self.thread = _ident()
+        self.cancelled = trio.Cancelled
+        clock = trio.lowlevel.current_clock()
+        testing = sys.modules.get("trio.testing")
+        self.clock = clock if testing is not None and isinstance(clock, testing.MockClock) else None
+
+    def now(self) -> float:
+        return float(self._trio.current_time())
+
+    def virtual_clock(self) -> Any:
+        return self.clock
+
+    async def checkpoint(self) -> None:
+        await self._trio.lowlevel.checkpoint()
+
+    async def checkpoint_if_cancelled(self) -> None:
+        await self._trio.lowlevel.checkpoint_if_cancelled()
+
+    def waker(self) -> _TrioWaker:
+        return _TrioWaker(self.identity, self.thread)
+
+    async def park(self, waker: _TrioWaker, until: float) -> None:
+        if until == math.inf:
+            await waker.wait()
+            return
+        with self._trio.CancelScope(deadline=until):
+            await waker.wait()
+
+    def cancel_scope(self) -> Any:
+        # trio's own: anyio's wraps it at half again the cost.
+        return self._trio.CancelScope()
+
+    def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
+        self._trio.lowlevel.spawn_system_task(fn)
+
+
+# -- plain threads ----------------------------------------------------------------------------
+
+
+class ThreadWaker(Waker):
+    """Wakes a thread that waits with no event loop."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until woken (True) or ``timeout`` seconds pass (False)."""
+        return self._event.wait(timeout)
+
+
+# -- the running loop -------------------------------------------------------------------------
+
+
+class _Cache(threading.local):
+    key: object = None
+    loop: Loop | None = None
+
+
+_cache = _Cache()
+
+
+def current() -> Loop | None:
+    """The running loop of this thread, or None when no event loop runs here."""
+    cache = _cache
+    running = _get_running_loop()
+    if running is not None:
+        if cache.key is not running:
+            cache.loop = AsyncioLoop(running)
+            cache.key = running
+        return cache.loop
+    trio = sys.modules.get("trio")
+    if trio is None or not trio.lowlevel.in_trio_run():
+        return None
+    token = trio.lowlevel.current_trio_token()
+    if cache.key is not token:
+        cache.loop = TrioLoop(token)
+        cache.key = token
+    return cache.loop
+
+
+def require() -> Loop:
+    """The running loop; RuntimeError when this thread runs none."""
+    loop = current()
+    if loop is None:
+        raise RuntimeError(
+            "this needs a running asyncio or trio event loop; in code without one, use "
+            "limiter.sync_slot() or slotwise.sync_slot()"
+        )
+    return loop
+
+
+Start = Callable[[Callable[[], Awaitable[None]]], None]
 
 
 def spawn(fn: Callable[[], Awaitable[None]]) -> None:
-    """Start ``fn()`` now as a task of the running loop that nobody awaits (a system task on
-    trio), in a fresh context rather than the caller's."""
-    if trio_running():
-        sys.modules["trio"].lowlevel.spawn_system_task(fn)
-    else:
-        _start_asyncio(asyncio.get_running_loop(), fn)
+    """Start ``fn()`` now as a task of the running loop that nobody awaits."""
+    require().spawn(fn)
 
 
 def later() -> Start:
     """A function that starts ``fn()`` as such a task of the running loop, callable later
     from any thread (the garbage collector runs finalizers wherever it is triggered)."""
-    if trio_running():
+    loop = require()
+    if isinstance(loop, TrioLoop):
         trio = sys.modules["trio"]
-        token = trio.lowlevel.current_trio_token()
-        return lambda fn: token.run_sync_soon(trio.lowlevel.spawn_system_task, fn)
-    loop = asyncio.get_running_loop()
+        token = loop.identity
+        return lambda fn: token.run_sync_soon(trio.lowlevel.spawn_system_task, fn)  # type: ignore[attr-defined]
+    assert isinstance(loop, AsyncioLoop)
+    asyncio_loop = loop.loop
 
     def start(fn: Callable[[], Awaitable[None]]) -> None:
-        loop.call_soon_threadsafe(_start_asyncio, loop, fn)
+        asyncio_loop.call_soon_threadsafe(_start_asyncio, asyncio_loop, fn)
 
     return start
-
-
-def _start_asyncio(loop: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[None]]) -> None:
-    task: asyncio.Task[None] = loop.create_task(fn(), context=contextvars.Context())  # type: ignore[arg-type]
-    _background.add(task)
-    task.add_done_callback(_background.discard)
