@@ -39,8 +39,10 @@ from ._protocol import SupportsLease as SupportsLease
 from ._runtime.dispatch import subscribe as subscribe
 from ._runtime.lifecycle import Slot as Slot
 from ._runtime.lifecycle import SlotContext as SlotContext
+from ._runtime.lifecycle import SyncSlotContext as SyncSlotContext
 from ._runtime.lifecycle import acquire as acquire
 from ._runtime.lifecycle import slot as slot
+from ._runtime.lifecycle import sync_slot as sync_slot
 from ._runtime.runs import Run as Run
 from ._runtime.runs import RunContext as RunContext
 from ._runtime.runs import current_run as current_run
@@ -80,6 +82,7 @@ __all__ = (
     "Slot",
     "SlotContext",
     "SupportsLease",
+    "SyncSlotContext",
     "TimedOutEvent",
     "WaitCancelledEvent",
     "WaitStartedEvent",
@@ -90,6 +93,7 @@ __all__ = (
     "run",
     "slot",
     "subscribe",
+    "sync_slot",
 )
 
 # Public classes say `slotwise.X` in reprs, tracebacks and docs, wherever they are defined.

@@ -7,7 +7,7 @@ from typing import Generic, TypeVar
 from ._config import Settings, Workload, resolve_workload
 from ._events import ConcurrencyEvent
 from ._runtime import dispatch
-from ._runtime.lifecycle import SlotContext, slot
+from ._runtime.lifecycle import SlotContext, SyncSlotContext, slot, sync_slot
 from ._stats import LimiterStats, WorkloadStats
 
 __all__ = ("BuiltinLimiter",)
@@ -63,6 +63,13 @@ class BuiltinLimiter(Generic[W]):
     def slot(self, workload: W | None = None, *, allow_nested: bool = False) -> SlotContext[W]:
         """``async with limiter.slot(workload=...)``: :func:`slotwise.slot` with this limiter."""
         return slot(workload, limiter=self, allow_nested=allow_nested)
+
+    def sync_slot(
+        self, workload: W | None = None, *, timeout: float | None = None, allow_nested: bool = False
+    ) -> SyncSlotContext[W]:
+        """`with limiter.sync_slot(workload=...)`: `slotwise.sync_slot` with this limiter,
+        for code with no event loop (a thread, a sync SDK client)."""
+        return sync_slot(workload, limiter=self, timeout=timeout, allow_nested=allow_nested)
 
     def subscribe(self, callback: Callable[[ConcurrencyEvent], object]) -> Callable[[], None]:
         """Receive every event of this limiter; returns the function that unsubscribes."""

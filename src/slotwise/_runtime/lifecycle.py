@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from contextvars import ContextVar, Token
 from functools import partial
 from types import TracebackType
-from typing import Any, Generic, TypeVar, final
+from typing import Any, Generic, NoReturn, TypeVar, final
 
 import anyio
 
@@ -62,7 +62,16 @@ from . import dispatch, keeper
 from .loop import Loop, TrioLoop, require
 from .runs import Run, current_run
 
-__all__ = ("Slot", "acquire", "is_cancellation", "outcome_of", "slot")
+__all__ = (
+    "Slot",
+    "SyncSlotContext",
+    "acquire",
+    "acquire_sync",
+    "is_cancellation",
+    "outcome_of",
+    "slot",
+    "sync_slot",
+)
 
 W = TypeVar("W", bound=str)
 
@@ -186,6 +195,7 @@ class Slot:
         "__weakref__",
         "_acquired_at",
         "_cancelled",
+        "_clock",
         "_keeper",
         "_lost",
         "_outer",
@@ -230,7 +240,8 @@ class Slot:
         self._outer: Slot | None = None  # the slot the same frame entered before this one
         self._keeper: Any = None
         self._ttl = 0.0
-        self._cancelled: type[BaseException] = BaseException
+        self._cancelled: type[BaseException] = BaseException  # the backend's cancellation
+        self._clock: Callable[[], float] = time.monotonic  # its loop's clock (None: a thread)
 
     @property
     def lease_id(self) -> str | None:
@@ -261,6 +272,30 @@ class Slot:
             self._keeper.forget(self)
         await _release(self.limiter, self.lease, partial(self._released_as, outcome))
 
+    def release_sync(self, outcome: Outcome = "completed") -> None:
+        """`release()` for code with no event loop (a slot taken with `sync_slot()`).
+        Idempotent.
+
+        Raises:
+            ConcurrencyConfigError: the limiter can only release by awaiting.
+        """
+        if self._released or self.lease is None:
+            self._released = True
+            return
+        nowait = getattr(type(self.limiter), "release_nowait", None)
+        if nowait is None:
+            raise ConcurrencyConfigError(
+                f"limiter {self.limiter_name!r} has no release_nowait(): release its slots "
+                "with `await slot.release()`"
+            )
+        self._released = True
+        try:
+            nowait(self.limiter, self.lease)
+        except Exception as exc:
+            self._released_as(outcome, exc)
+        else:
+            self._released_as(outcome, None)
+
     def _released_as(self, outcome: Outcome, error: BaseException | None) -> None:
         lease_id = self.lease_id or ""
         if error is not None:
@@ -269,7 +304,7 @@ class Slot:
             self._emit(
                 ReleasedEvent,
                 lease_id=lease_id,
-                hold_time=_now() - self._acquired_at,
+                hold_time=self._clock() - self._acquired_at,
                 outcome=outcome,
             )
 
@@ -294,7 +329,7 @@ class Slot:
             self._emit(
                 LeaseLostEvent,
                 lease_id=self.lease.lease_id,
-                hold_time=_now() - self._acquired_at,
+                hold_time=self._clock() - self._acquired_at,
             )
         if self._scope is not None:
             self._scope.cancel()
@@ -326,11 +361,6 @@ class Slot:
             f"<slotwise.Slot {self.limiter_name!r} workload={self.workload!r} "
             f"lease={self.lease_id} {state}>"
         )
-
-
-def _now() -> float:
-    loop = require()
-    return loop.now()
 
 
 def _tether(slot: Slot) -> Callable[[], bool]:
@@ -385,16 +415,114 @@ async def acquire(
             slot without `allow_nested`.
     """
     loop = require()
+    slot, run = _request(workload, limiter, allow_nested, loop)
+    if slot.limiter is None:
+        await loop.checkpoint()
+        return slot
+    limiter = slot.limiter
+    cls = type(limiter)
+    deadline = run.deadline_on(loop) if run is not None else None
+    start = _wait_started(slot, loop.now(), deadline)
+    take_nowait = getattr(cls, "_take_nowait", None)
+    try:
+        if take_nowait is not None:
+            # The limiter keeps the lease valid while the slot lives and honours the deadline
+            # itself: it takes a slot or a place in the queue before anything yields.
+            tether = _tether(slot)
+            lease = take_nowait(limiter, slot.workload, loop, tether)
+            if lease is None:
+                lease = await cls._take(limiter, slot.workload, loop, deadline, tether)
+            else:
+                try:
+                    await loop.checkpoint()
+                except BaseException:
+                    # The slot was free but the request was cancelled: nothing was held.
+                    cls.release_nowait(limiter, lease)
+                    raise
+        else:
+            lease = await _acquire_renewable(slot, loop, deadline)
+    except BaseException as exc:
+        budget_ended = isinstance(exc, _BudgetEnded) or (
+            isinstance(exc, loop.cancelled) and _budget_ended(run, loop)
+        )
+        _failed(slot, exc, loop.now() - start, budget_ended, loop.cancelled)
+    slot.lease = lease
+    slot._acquired_at = slot._renewed_at = now = loop.now()
+    if take_nowait is None:
+        keeper.track(slot, loop)
+    if dispatch.wants(limiter):
+        slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=now - start)
+    return slot
+
+
+def acquire_sync(
+    workload: str | None = None,
+    *,
+    limiter: Any = None,
+    timeout: float | None = None,
+    allow_nested: bool = False,
+) -> Slot:
+    """`acquire()` for code with no event loop: blocks the thread until a slot, `timeout`
+    (seconds), the workload's `max_wait` or the current run's budget. Release the slot with
+    `Slot.release_sync()` (or use `sync_slot()`).
+
+    Raises:
+        ConcurrencyConfigError: as `acquire()`, and for a limiter that has no blocking form
+            (only `MemoryLimiter` has one) or an invalid `timeout`.
+    """
+    if timeout is not None and (
+        not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout >= 0
+    ):
+        raise ConcurrencyConfigError(
+            f"timeout must be None or a non-negative number of seconds, got {timeout!r}"
+        )
+    slot, run = _request(workload, limiter, allow_nested, None)
+    limiter = slot.limiter
+    if limiter is None:
+        return slot
+    take = getattr(type(limiter), "_take_blocking", None)
+    if take is None:
+        exc = ConcurrencyConfigError(
+            f"limiter {slot.limiter_name!r} ({type(limiter).__name__}) cannot be used from "
+            "code without an event loop: sync_slot() needs a limiter that can wait by "
+            "blocking a thread, such as MemoryLimiter"
+        )
+        slot._emit(ConfigErrorEvent, error=_describe(exc))
+        raise slot._fill(exc)
+    start = time.monotonic()
+    deadline = run.deadline_on(None) if run is not None else None
+    if timeout is not None:
+        deadline = start + timeout if deadline is None else min(deadline, start + timeout)
+    _wait_started(slot, start, deadline)
+    try:
+        lease = take(
+            limiter, slot.workload, None if deadline is None else deadline - start, _tether(slot)
+        )
+    except BaseException as exc:
+        _failed(slot, exc, time.monotonic() - start, False, KeyboardInterrupt)
+    slot.lease = lease
+    slot._acquired_at = now = time.monotonic()
+    if dispatch.wants(limiter):
+        slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=now - start)
+    return slot
+
+
+def _request(
+    workload: str | None, limiter: Any, allow_nested: bool, loop: Loop | None
+) -> tuple[Slot, Run | None]:
+    """The slot a request will fill: its limiter, workload and lineage, checked. A slot with
+    no limiter limits nothing."""
     run = current_run()
     if limiter is None:
         limiter = run.limiter if run is not None else None
         if limiter is None:
-            await loop.checkpoint()
-            return Slot(None, run)
+            return Slot(None, run), run
     if workload is None and run is not None and run.limiter is limiter:
         workload = run.workload
     slot = Slot(limiter, run)
-    slot._cancelled = loop.cancelled
+    if loop is not None:
+        slot._cancelled = loop.cancelled
+        slot._clock = loop.now
     try:
         slot.workload = _resolve(limiter, workload)
         held = _holding.get()
@@ -414,109 +542,90 @@ async def acquire(
             slot.workload = str(workload)
         slot._emit(ConfigErrorEvent, error=_describe(exc))
         raise slot._fill(exc) from None
-    await _obtain(slot, loop, run)
-    return slot
+    return slot, run
 
 
-async def _obtain(slot: Slot, loop: Loop, run: Run | None) -> None:
-    """Wait for the slot's lease: the one place where a wait ends, and how."""
-    limiter = slot.limiter
-    cls = type(limiter)
-    workload = slot.workload
-    assert workload is not None
-    deadline = run.deadline if run is not None else None
-    start = loop.now()
-    if dispatch.wants(limiter):
-        max_wait = _max_wait(limiter, workload)
-        effective = deadline
+def _wait_started(slot: Slot, start: float, deadline: float | None) -> float:
+    """Report that the request waits, with when it stops waiting; return ``start``."""
+    if dispatch.wants(slot.limiter):
+        assert slot.workload is not None
+        max_wait = _max_wait(slot.limiter, slot.workload)
         if max_wait is not None:
-            effective = start + max_wait if effective is None else min(effective, start + max_wait)
-        slot._emit(WaitStartedEvent, deadline=_epoch(effective, loop))
-    take_nowait = getattr(cls, "_take_nowait", None)
-    budget = None
+            deadline = start + max_wait if deadline is None else min(deadline, start + max_wait)
+        epoch = None if deadline is None or math.isinf(deadline) else time.time() + deadline - start
+        slot._emit(WaitStartedEvent, deadline=epoch)
+    return start
+
+
+async def _acquire_renewable(slot: Slot, loop: Loop, deadline: float | None) -> SupportsLease:
+    """The lease of a limiter without a tether: through the Limiter protocol, bounded by the
+    run's budget even if the limiter ignores the deadline."""
+    limiter = slot.limiter
+    assert slot.workload is not None
+    request = AcquireRequest(
+        workload=slot.workload,
+        request_id=slot.request_id or "",
+        run_id=slot.run_id,
+        root_run_id=slot.root_run_id,
+        parent_run_id=slot.parent_run_id,
+        deadline=deadline,
+    )
+    if deadline is None:
+        lease: SupportsLease = await limiter.acquire(request)
+    else:
+        with anyio.CancelScope(deadline=deadline) as budget:
+            lease = await limiter.acquire(request)
+        if budget.cancelled_caught:
+            raise _BudgetEnded
     try:
-        if take_nowait is not None:
-            # The limiter keeps the lease valid while the slot lives and honours the deadline
-            # itself: it takes a slot or a place in the queue before anything yields.
-            tether = _tether(slot)
-            lease = take_nowait(limiter, workload, loop, tether)
-            if lease is None:
-                lease = await cls._take(limiter, workload, loop, deadline, tether)
-            else:
-                try:
-                    await loop.checkpoint()
-                except BaseException:
-                    # The slot was free but the request was cancelled: nothing was held.
-                    cls.release_nowait(limiter, lease)
-                    raise
-        else:
-            request = AcquireRequest(
-                workload=workload,
-                request_id=slot.request_id or "",
-                run_id=slot.run_id,
-                root_run_id=slot.root_run_id,
-                parent_run_id=slot.parent_run_id,
-                deadline=deadline,
-            )
-            # The run's budget bounds the wait even for a limiter that ignores the deadline.
-            if deadline is None:
-                lease = await limiter.acquire(request)
-            else:
-                with anyio.CancelScope(deadline=deadline) as budget:
-                    lease = await limiter.acquire(request)
-                if budget.cancelled_caught:
-                    raise _BudgetEnded
-            try:
-                # Granted just as the request was cancelled: give it back before any body.
-                await anyio.lowlevel.checkpoint_if_cancelled()
-            except BaseException:
-                slot.lease = lease
-                await _release(limiter, lease, slot._release_failed)
-                raise
-    except BaseException as exc:
-        waited = loop.now() - start
-        if isinstance(exc, _BudgetEnded | loop.cancelled):
-            if isinstance(exc, _BudgetEnded) or _budget_ended(run, loop):
-                slot._emit(TimedOutEvent, wait_time=waited)
-                raise slot._fill(
-                    ConcurrencyTimeoutError(
-                        "the run's time budget ended while the request waited for a slot"
-                    )
-                ) from None
-            slot._emit(WaitCancelledEvent, wait_time=waited)
-            raise
-        if isinstance(exc, ConcurrencyConfigError):
-            slot._emit(ConfigErrorEvent, error=_describe(exc))
-            raise slot._fill(exc) from None
-        if not isinstance(exc, Exception):
-            slot._emit(WaitCancelledEvent, wait_time=waited)
-            raise
-        for error_cls, event in _ERROR_EVENTS:
-            if isinstance(exc, error_cls):
-                slot._emit(event, wait_time=waited)
-                raise slot._fill(exc) from None
-        slot._emit(LimiterErrorEvent, wait_time=waited, error=_describe(exc))
-        if isinstance(exc, ConcurrencyLimiterError):
-            raise slot._fill(exc) from None
+        # Granted just as the request was cancelled: give it back before any body runs.
+        await loop.checkpoint_if_cancelled()
+    except BaseException:
+        slot.lease = lease
+        await _release(limiter, lease, slot._release_failed)
+        raise
+    return lease
+
+
+def _failed(
+    slot: Slot,
+    exc: BaseException,
+    waited: float,
+    budget_ended: bool,
+    cancelled: type[BaseException],
+) -> NoReturn:
+    """Report a request that got no slot, and raise what its caller sees."""
+    if budget_ended:
+        slot._emit(TimedOutEvent, wait_time=waited)
         raise slot._fill(
-            ConcurrencyLimiterError(f"the limiter failed while acquiring a slot: {_describe(exc)}")
-        ) from exc
-    slot.lease = lease
-    slot._acquired_at = slot._renewed_at = now = loop.now()
-    if take_nowait is None:
-        keeper.track(slot, loop)
-    if dispatch.wants(limiter):
-        slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=now - start)
+            ConcurrencyTimeoutError(
+                "the run's time budget ended while the request waited for a slot"
+            )
+        ) from None
+    if isinstance(exc, cancelled) or not isinstance(exc, Exception):
+        slot._emit(WaitCancelledEvent, wait_time=waited)
+        raise exc
+    if isinstance(exc, ConcurrencyConfigError):
+        slot._emit(ConfigErrorEvent, error=_describe(exc))
+        raise slot._fill(exc) from None
+    for error_cls, event in _ERROR_EVENTS:
+        if isinstance(exc, error_cls):
+            slot._emit(event, wait_time=waited)
+            raise slot._fill(exc) from None
+    slot._emit(LimiterErrorEvent, wait_time=waited, error=_describe(exc))
+    if isinstance(exc, ConcurrencyLimiterError):
+        raise slot._fill(exc) from None
+    raise slot._fill(
+        ConcurrencyLimiterError(f"the limiter failed while acquiring a slot: {_describe(exc)}")
+    ) from exc
 
 
 def _budget_ended(run: Run | None, loop: Loop) -> bool:
     """Whether a cancellation that ended a wait is the run's budget running out."""
-    return (
-        run is not None
-        and not run.cancelled
-        and run.deadline is not None
-        and loop.now() >= run.deadline
-    )
+    if run is None or run.cancelled:
+        return False
+    deadline = run.deadline_on(loop)
+    return deadline is not None and loop.now() >= deadline
 
 
 def _resolve(limiter: Any, workload: str | None) -> str:
@@ -642,3 +751,88 @@ def slot(
     event loop finalizes it.
     """
     return SlotContext(workload, limiter, allow_nested)
+
+
+@final
+class SyncSlotContext(Generic[W]):
+    """`with` form of a slot for code with no event loop: yields the `Slot`, releases it on
+    exit. Like `SlotContext`, one object may be entered by many threads at once."""
+
+    __slots__ = ("_allow_nested", "_entered", "_limiter", "_timeout", "_workload")
+
+    def __init__(
+        self, workload: W | None, limiter: Any, timeout: float | None, allow_nested: bool
+    ) -> None:
+        self._workload = workload
+        self._limiter = limiter
+        self._timeout = timeout
+        self._allow_nested = allow_nested
+        self._entered: dict[Any, Slot] = {}
+
+    def __enter__(self) -> Slot:
+        frame = sys._getframe(1)
+        slot = acquire_sync(
+            self._workload,
+            limiter=self._limiter,
+            timeout=self._timeout,
+            allow_nested=self._allow_nested,
+        )
+        if slot.lease is None:
+            return slot
+        slot._token = _holding.set((*_holding.get(), slot))
+        slot._outer = self._entered.get(frame)
+        self._entered[frame] = slot
+        return slot
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        frame = sys._getframe(1)
+        slot = self._entered.get(frame)
+        if slot is None:
+            return
+        if slot._outer is None:
+            del self._entered[frame]
+        else:
+            self._entered[frame] = slot._outer
+        if slot._token is not None:
+            with contextlib.suppress(ValueError):
+                _holding.reset(slot._token)
+        slot.release_sync(outcome_of(exc, KeyboardInterrupt))
+
+
+def sync_slot(
+    workload: W | None = None,
+    *,
+    limiter: Any = None,
+    timeout: float | None = None,
+    allow_nested: bool = False,
+) -> SyncSlotContext[W]:
+    """Hold one slot in code with no event loop: `with slotwise.sync_slot(limiter=claude):`.
+
+    The thread blocks until a slot is free, `timeout` seconds pass, the workload's
+    `max_wait` ends or the current run's budget ends (a thread started from a run with
+    `anyio.to_thread.run_sync` belongs to that run). Nothing else interrupts the wait but
+    an exception raised in the thread (Ctrl-C in the main thread): a thread cannot be
+    cancelled from outside. The lease stays valid while the slot is held (no renewal
+    thread: the slot itself keeps it), so the body cannot lose it.
+
+    Args:
+        workload: The workload; default: the current run's (same limiter), else the
+            limiter's default.
+        limiter: The limiter (one that can block a thread: `MemoryLimiter`); default: the
+            current run's. With neither, nothing is limited.
+        timeout: The longest the thread waits for a slot, in seconds; None: no limit but
+            the workload's `max_wait` and the run's budget.
+        allow_nested: As in `slot()`.
+
+    Raises:
+        ConcurrencyTimeoutError: on entry, no slot in time.
+        ConcurrencyQueueFullError: on entry, the queue is full.
+        ConcurrencyConfigError: on entry, a bad workload, a nested slot, or a limiter that
+            cannot block a thread.
+    """
+    return SyncSlotContext(workload, limiter, timeout, allow_nested)

@@ -95,6 +95,11 @@ class Loop:
         context rather than the caller's."""
         raise NotImplementedError
 
+    def run_soon(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` soon in this loop's thread; callable from any thread. Does nothing
+        once the loop has ended."""
+        raise NotImplementedError
+
 
 # -- asyncio ----------------------------------------------------------------------------------
 
@@ -167,6 +172,10 @@ class AsyncioLoop(Loop):
 
     def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
         _start_asyncio(self.loop, fn)
+
+    def run_soon(self, fn: Callable[[], object]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            self.loop.call_soon_threadsafe(fn)
 
 
 # -- trio -------------------------------------------------------------------------------------
@@ -252,6 +261,10 @@ class TrioLoop(Loop):
 
     def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
         self._trio.lowlevel.spawn_system_task(fn)
+
+    def run_soon(self, fn: Callable[[], object]) -> None:
+        with contextlib.suppress(RuntimeError):  # trio.RunFinishedError: the run has ended
+            self.identity.run_sync_soon(fn)  # type: ignore[attr-defined]
 
 
 # -- plain threads ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 import uuid
 import weakref
 from contextvars import ContextVar, Token
@@ -12,6 +13,7 @@ from typing import Any, final
 import anyio
 
 from .._errors import ConcurrencyConfigError
+from .loop import Loop, current, require
 
 __all__ = ("Run", "RunContext", "current_run", "run")
 
@@ -40,14 +42,17 @@ class Run:
         limiter: The limiter ``slotwise.slot()`` uses when it names none, or None.
         workload: The workload ``slotwise.slot()`` uses when it names none, or None for the
             limiter's default.
-        deadline: When the run's budget ends, on ``anyio.current_time()``'s clock; None when
-            neither it nor any ancestor has a timeout.
+        deadline: When the run's budget ends, on ``anyio.current_time()``'s clock of the
+            event loop that started the run; None when neither it nor any ancestor has a
+            timeout. (Slots taken in another loop or a thread convert it to their clock.)
     """
 
     __slots__ = (
         "__weakref__",
         "_cancelled",
         "_children",
+        "_expires",
+        "_loop",
         "_scope",
         "deadline",
         "limiter",
@@ -65,6 +70,7 @@ class Run:
         limiter: Any,
         workload: str | None,
         deadline: float | None,
+        loop: Loop,
     ) -> None:
         self.run_id: str = run_id
         self.parent_run_id: str | None = parent.run_id if parent else None
@@ -72,9 +78,21 @@ class Run:
         self.limiter = limiter
         self.workload = workload
         self.deadline = deadline
+        self._loop = loop
+        # The deadline on time.monotonic(), which every thread and loop agrees on.
+        self._expires = None if deadline is None else time.monotonic() + deadline - loop.now()
         self._cancelled = False
         self._children: weakref.WeakSet[Run] = weakref.WeakSet()
         self._scope = anyio.CancelScope(deadline=math.inf if deadline is None else deadline)
+
+    def deadline_on(self, loop: Loop | None) -> float | None:
+        """The deadline on ``loop``'s clock (``time.monotonic()`` for None: a thread)."""
+        if loop is self._loop or self.deadline is None:
+            return self.deadline
+        assert self._expires is not None
+        if loop is None:
+            return self._expires
+        return self._expires - time.monotonic() + loop.now()
 
     def cancel(self) -> None:
         """Cancel this run and every child run, wherever it runs.
@@ -86,7 +104,11 @@ class Run:
         nothing more.
         """
         self._cancelled = True
-        self._scope.cancel()
+        here = current()
+        if here is None or here.identity is not self._loop.identity:
+            self._loop.run_soon(self._scope.cancel)  # the scope belongs to another loop
+        else:
+            self._scope.cancel()
         for child in list(self._children):
             child.cancel()
 
@@ -174,7 +196,8 @@ class RunContext:
     async def __aenter__(self) -> Run:
         if self._run is not None:
             raise RuntimeError("a slotwise.run() context can be entered only once")
-        await anyio.lowlevel.checkpoint()
+        loop = require()
+        await loop.checkpoint()
         parent = _current.get()
         run_id = self._run_id or uuid.uuid4().hex
         limiter = self._limiter
@@ -192,12 +215,17 @@ class RunContext:
         elif workload is not None:
             workload = str(workload)
         # The budget only shrinks down the tree: waiting for a slot spends it, nothing renews it.
-        deadline = parent.deadline if parent is not None else None
+        deadline = parent.deadline_on(loop) if parent is not None else None
         if self._timeout is not None:
-            own = anyio.current_time() + self._timeout
+            own = loop.now() + self._timeout
             deadline = own if deadline is None else min(deadline, own)
         run = Run(
-            run_id=run_id, parent=parent, limiter=limiter, workload=workload, deadline=deadline
+            run_id=run_id,
+            parent=parent,
+            limiter=limiter,
+            workload=workload,
+            deadline=deadline,
+            loop=loop,
         )
         if parent is not None:
             parent._children.add(run)
