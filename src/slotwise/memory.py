@@ -17,7 +17,7 @@ from ._config import (
     resolve_workload,
     wait_timeout,
 )
-from ._core.state import LeaseRecord, LimiterState, Tether, Ticket
+from ._core.state import LeaseRecord, LimiterState, Tether, Ticket, holds
 from ._protocol import AcquireRequest, Lease, SupportsLease
 from ._runtime.loop import Loop, ThreadWaker, Waker, require
 from ._stats import LimiterStats
@@ -192,7 +192,10 @@ class MemoryLimiter(BuiltinLimiter[W]):
     def release_nowait(self, lease: SupportsLease) -> None:
         """`release()` without the `await`; the slot lifecycle uses it."""
         with self._lock:
-            wakers = self._settle(self._state.release(lease.lease_id, self._clock()))
+            granted = self._state.release(lease.lease_id, self._clock())
+            if not granted:
+                return
+            wakers = self._settle(granted)
         _wake(wakers)
 
     # -- what the slot lifecycle uses (looked up on the class) ----------------------------
@@ -201,6 +204,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
         """A slot now, tethered to its holder, if the request would not have to wait."""
         with self._lock:
             record, swept = self._state.take_nowait(workload, self._now(loop), tether)
+            if not swept and self._watcher is None:
+                return record
             wakers = self._settle(swept, record)
         _wake(wakers)
         return record
@@ -263,7 +268,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
     def _now(self, loop: Loop | None) -> float:
         """The state's clock; with the lock held. A limiter with no slot held or awaited
         follows the clock of whoever uses it next: real time, or a trio MockClock."""
-        domain = None if loop is None else loop.virtual_clock()
+        domain = None if loop is None else loop.virtual
         if domain is not self._domain:
             state = self._state
             if state.leases or state.queued:
@@ -304,7 +309,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             now = self._clock()
             granted = state.expire(now) if ticket.lease is None else []
             record = ticket.lease
-            if record is not None and record.expires_at <= now and not _holds(record):
+            if record is not None and record.expires_at <= now and not holds(record.tether):
                 # Granted, but the lease ran out before this waiter resumed (its loop or
                 # thread stalled) and someone may hold it now: never enter on it.
                 granted += state.regrant(ticket, now)
@@ -385,10 +390,6 @@ class MemoryLimiter(BuiltinLimiter[W]):
             f"<slotwise.MemoryLimiter {self.name!r} {len(state.leases)}/{rules.max_concurrent} "
             f"active, {state.queued} queued ({', '.join(parts)})>"
         )
-
-
-def _holds(record: LeaseRecord) -> bool:
-    return record.tether is not None and record.tether()
 
 
 def _lease(record: LeaseRecord) -> Lease:

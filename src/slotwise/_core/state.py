@@ -13,7 +13,7 @@ import itertools
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -23,17 +23,41 @@ from .rules import Rules, allocate, has_room
 __all__ = ("LeaseRecord", "LimiterState", "Ticket")
 
 
-# Whether a lease's holder still holds it: a lease with a tether is extended, rather than
-# expired, whenever its time is up while the tether says so (the shell ties it to a live slot).
-Tether = Callable[[], bool]
+class Holder(Protocol):
+    """What holds a tethered lease (the shell's slot)."""
+
+    @property
+    def released(self) -> bool: ...
 
 
-@attrs.define(eq=False)
+# A weak reference to a lease's holder: a lease with a tether is extended, rather than
+# expired, whenever its time is up while its holder is alive and has not released it.
+Tether = Callable[[], Holder | None]
+
+
+def holds(tether: Tether | None) -> bool:
+    """Whether the holder behind ``tether`` still holds its lease."""
+    if tether is None:
+        return False
+    holder = tether()
+    return holder is not None and not holder.released
+
+
 class LeaseRecord:
-    lease_id: str
-    workload: str
-    expires_at: float
-    tether: Tether | None = None
+    """A granted lease; the shell hands it out as the lease itself."""
+
+    __slots__ = ("expires_at", "lease_id", "tether", "workload")
+
+    def __init__(
+        self, lease_id: str, workload: str, expires_at: float, tether: Tether | None
+    ) -> None:
+        self.lease_id = lease_id
+        self.workload = workload
+        self.expires_at = expires_at
+        self.tether = tether
+
+    def __repr__(self) -> str:
+        return f"LeaseRecord({self.lease_id!r}, {self.workload!r}, expires_at={self.expires_at})"
 
 
 @attrs.define(eq=False)
@@ -154,9 +178,7 @@ class LimiterState:
     def renew(self, lease_id: str, now: float) -> LeaseRecord | None:
         """Extend a valid lease by ``lease_ttl``; None when it is no longer held."""
         record = self.leases.get(lease_id)
-        if record is None or (
-            record.expires_at <= now and (record.tether is None or not record.tether())
-        ):
+        if record is None or (record.expires_at <= now and not holds(record.tether)):
             return None
         record.expires_at = now + self.lease_ttl
         heapq.heappush(self._expiries, (record.expires_at, lease_id))
@@ -173,7 +195,7 @@ class LimiterState:
             record = self.leases.get(lease_id)
             if record is None or record.expires_at != expires_at:
                 continue
-            if record.tether is not None and record.tether():
+            if holds(record.tether):
                 kept.append(record)
                 continue
             del self.leases[lease_id]
@@ -208,9 +230,7 @@ class LimiterState:
 
     def _lease(self, workload: str, now: float, tether: Tether | None) -> LeaseRecord:
         lease_id = f"{self._prefix}-{next(self._lease_seq)}"
-        record = LeaseRecord(
-            lease_id=lease_id, workload=workload, expires_at=now + self.lease_ttl, tether=tether
-        )
+        record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether)
         self.leases[lease_id] = record
         held = self.active[workload]
         if held >= self.rules.workloads[workload].reserved:

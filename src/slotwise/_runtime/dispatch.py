@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,9 @@ _by_limiter: weakref.WeakKeyDictionary[Any, list[_Subscription]] = weakref.WeakK
 # Limiters that cannot be weakly referenced (custom classes with __slots__ and no
 # __weakref__) are kept by id, with the object itself to keep the id valid.
 _by_id: dict[int, tuple[Any, list[_Subscription]]] = {}
+# Subscriptions in force, everywhere: while there are none, no event is built.
+_subscriptions = 0
+_lock = threading.Lock()  # subscribe and unsubscribe may run in any thread
 
 
 def _callbacks(limiter: Any) -> list[_Subscription] | None:
@@ -59,39 +63,44 @@ def subscribe(callback: Callback, limiter: Any = None) -> Callable[[], None]:
     """
     if not callable(callback):
         raise TypeError(f"callback must be callable, got {callback!r}")
-    if limiter is None:
-        target = _everywhere
-    else:
-        existing = _callbacks(limiter)
-        if existing is None:
-            existing = []
-            try:
-                _by_limiter[limiter] = existing
-            except TypeError:
-                _by_id[id(limiter)] = (limiter, existing)
-        target = existing
-
+    global _subscriptions
     subscription = _Subscription(callback)
+    with _lock:
+        if limiter is None:
+            target = _everywhere
+        else:
+            existing = _callbacks(limiter)
+            if existing is None:
+                existing = []
+                try:
+                    _by_limiter[limiter] = existing
+                except TypeError:
+                    _by_id[id(limiter)] = (limiter, existing)
+            target = existing
+        target.append(subscription)
+        _subscriptions += 1
 
     def unsubscribe() -> None:
-        if not any(entry is subscription for entry in target):
-            return
-        target[:] = [entry for entry in target if entry is not subscription]
-        if limiter is not None and not target:
-            try:
-                _by_limiter.pop(limiter, None)
-            except TypeError:
-                _by_id.pop(id(limiter), None)
+        global _subscriptions
+        with _lock:
+            if not any(entry is subscription for entry in target):
+                return
+            target[:] = [entry for entry in target if entry is not subscription]
+            _subscriptions -= 1
+            if limiter is not None and not target:
+                try:
+                    _by_limiter.pop(limiter, None)
+                except TypeError:
+                    _by_id.pop(id(limiter), None)
 
-    target.append(subscription)
     return unsubscribe
 
 
 def wants(limiter: Any) -> bool:
     """Whether anyone listens to ``limiter``: events are only built when this is true."""
-    if _everywhere:
-        return True
-    return bool(_by_limiter or _by_id) and _callbacks(limiter) is not None
+    if not _subscriptions:
+        return False
+    return bool(_everywhere) or _callbacks(limiter) is not None
 
 
 def emit(limiter: Any, event: ConcurrencyEvent) -> None:

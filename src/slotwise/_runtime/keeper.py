@@ -231,5 +231,6 @@ def track(slot: Slot, loop: Loop) -> None:
     if keeper is None:
         keeper = loop.keeper = _Keeper(loop)
     ttl = slot._ttl = lease_ttl(slot.limiter)
+    slot._renewed_at = slot._acquired_at
     slot._keeper = keeper
     keeper.add(slot, slot._renewed_at + ttl / 3, ttl)

@@ -99,6 +99,10 @@ def outcome_of(exc: BaseException | None, cancelled: type[BaseException]) -> Out
     return "cancelled" if is_cancellation(exc, cancelled) else "failed"
 
 
+def _name(limiter: Any) -> str:
+    return str(getattr(limiter, "name", type(limiter).__name__))
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -194,9 +198,8 @@ class Slot:
     __slots__ = (
         "__weakref__",
         "_acquired_at",
-        "_cancelled",
-        "_clock",
         "_keeper",
+        "_loop",
         "_lost",
         "_outer",
         "_released",
@@ -214,13 +217,17 @@ class Slot:
         "workload",
     )
 
-    def __init__(self, limiter: Any, run: Run | None) -> None:
+    # Set by the keeper, for slots whose lease it renews.
+    _renewed_at: float
+    _ttl: float
+
+    def __init__(self, limiter: Any, run: Run | None, loop: Loop | None = None) -> None:
         self.limiter = limiter
         if limiter is None:
             self.limiter_name = ""
             self.request_id: str | None = None
         else:
-            self.limiter_name = str(getattr(limiter, "name", type(limiter).__name__))
+            self.limiter_name = _name(limiter)
             self.request_id = f"{_prefix}-{next(_request_seq)}"
         self.workload: str | None = None
         if run is None:
@@ -230,18 +237,19 @@ class Slot:
             self.root_run_id = run.root_run_id
             self.parent_run_id = run.parent_run_id
         self.lease: SupportsLease | None = None
+        self._loop = loop  # the event loop that took it; None: a thread without one
         self._acquired_at = 0.0
-        self._renewed_at = 0.0
         # Not released while it is being acquired: a lease tied to this slot is held.
         self._released = limiter is None
         self._lost = False
         self._scope: Any = None  # the body's cancel scope, when the lease can be lost
         self._token: Token[tuple[Slot, ...]] | None = None  # its entry in _holding
         self._outer: Slot | None = None  # the slot the same frame entered before this one
-        self._keeper: Any = None
-        self._ttl = 0.0
-        self._cancelled: type[BaseException] = BaseException  # the backend's cancellation
-        self._clock: Callable[[], float] = time.monotonic  # its loop's clock (None: a thread)
+        self._keeper: Any = None  # the keeper that renews the lease, if one must
+
+    def _clock(self) -> float:
+        loop = self._loop
+        return time.monotonic() if loop is None else loop.now()
 
     @property
     def lease_id(self) -> str | None:
@@ -267,6 +275,10 @@ class Slot:
         if self._released or self.lease is None:
             self._released = True
             return
+        nowait = getattr(type(self.limiter), "release_nowait", None)
+        if nowait is not None:
+            self._release_nowait(nowait, outcome)
+            return
         self._released = True
         if self._keeper is not None:
             self._keeper.forget(self)
@@ -288,12 +300,20 @@ class Slot:
                 f"limiter {self.limiter_name!r} has no release_nowait(): release its slots "
                 "with `await slot.release()`"
             )
+        self._release_nowait(nowait, outcome)
+
+    def _release_nowait(
+        self, nowait: Callable[[Any, SupportsLease], object], outcome: Outcome
+    ) -> None:
         self._released = True
+        if self._keeper is not None:
+            self._keeper.forget(self)
         try:
-            nowait(self.limiter, self.lease)
+            nowait(self.limiter, self.lease)  # type: ignore[arg-type]
         except Exception as exc:
-            self._released_as(outcome, exc)
-        else:
+            self._release_failed(exc)
+            return
+        if dispatch._subscriptions and dispatch.wants(self.limiter):
             self._released_as(outcome, None)
 
     def _released_as(self, outcome: Outcome, error: BaseException | None) -> None:
@@ -363,17 +383,6 @@ class Slot:
         )
 
 
-def _tether(slot: Slot) -> Callable[[], bool]:
-    """Whether ``slot`` still holds its lease: it is alive and not released."""
-    ref = weakref.ref(slot)
-
-    def holds() -> bool:
-        held = ref()
-        return held is not None and not held._released
-
-    return holds
-
-
 # -- acquire ----------------------------------------------------------------------------------
 
 
@@ -428,7 +437,7 @@ async def acquire(
         if take_nowait is not None:
             # The limiter keeps the lease valid while the slot lives and honours the deadline
             # itself: it takes a slot or a place in the queue before anything yields.
-            tether = _tether(slot)
+            tether = weakref.ref(slot)
             lease = take_nowait(limiter, slot.workload, loop, tether)
             if lease is None:
                 lease = await cls._take(limiter, slot.workload, loop, deadline, tether)
@@ -447,10 +456,10 @@ async def acquire(
         )
         _failed(slot, exc, loop.now() - start, budget_ended, loop.cancelled)
     slot.lease = lease
-    slot._acquired_at = slot._renewed_at = now = loop.now()
+    slot._acquired_at = now = loop.now()
     if take_nowait is None:
         keeper.track(slot, loop)
-    if dispatch.wants(limiter):
+    if dispatch._subscriptions and dispatch.wants(limiter):
         slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=now - start)
     return slot
 
@@ -496,7 +505,10 @@ def acquire_sync(
     _wait_started(slot, start, deadline)
     try:
         lease = take(
-            limiter, slot.workload, None if deadline is None else deadline - start, _tether(slot)
+            limiter,
+            slot.workload,
+            None if deadline is None else deadline - start,
+            weakref.ref(slot),
         )
     except BaseException as exc:
         _failed(slot, exc, time.monotonic() - start, False, KeyboardInterrupt)
@@ -519,10 +531,7 @@ def _request(
             return Slot(None, run), run
     if workload is None and run is not None and run.limiter is limiter:
         workload = run.workload
-    slot = Slot(limiter, run)
-    if loop is not None:
-        slot._cancelled = loop.cancelled
-        slot._clock = loop.now
+    slot = Slot(limiter, run, loop)
     try:
         slot.workload = _resolve(limiter, workload)
         held = _holding.get()
@@ -547,7 +556,7 @@ def _request(
 
 def _wait_started(slot: Slot, start: float, deadline: float | None) -> float:
     """Report that the request waits, with when it stops waiting; return ``start``."""
-    if dispatch.wants(slot.limiter):
+    if dispatch._subscriptions and dispatch.wants(slot.limiter):
         assert slot.workload is not None
         max_wait = _max_wait(slot.limiter, slot.workload)
         if max_wait is not None:
@@ -711,7 +720,12 @@ class SlotContext(Generic[W]):
             if slot._token is not None:
                 with contextlib.suppress(ValueError):  # reset from another context
                     _holding.reset(slot._token)
-        outcome: Outcome = "cancelled" if lost else outcome_of(exc, slot._cancelled)
+        if lost:
+            outcome: Outcome = "cancelled"
+        elif exc is None:
+            outcome = "completed"
+        else:
+            outcome = outcome_of(exc, require().cancelled)
         await slot.release(outcome)
         if lost:
             raise ConcurrencyLeaseLostError(

@@ -53,9 +53,12 @@ class Waker:
 class Loop:
     """The running event loop, as the slot lifecycle and the limiters use it."""
 
-    __slots__ = ("cancelled", "identity", "keeper", "thread")
+    __slots__ = ("cancelled", "identity", "keeper", "thread", "virtual")
 
     keeper: Any  # the lease keeper of this loop (slotwise._runtime.keeper), once started
+    # The loop's clock object when it does not follow real time (trio's MockClock, which
+    # has current_time()), else None.
+    virtual: Any
     identity: object  # the loop (asyncio) or the run's token (trio)
     thread: int
     cancelled: type[BaseException]  # the backend's cancellation exception
@@ -63,11 +66,6 @@ class Loop:
     def now(self) -> float:
         """The loop's clock, as ``anyio.current_time()`` reads it."""
         raise NotImplementedError
-
-    def virtual_clock(self) -> Any:
-        """The loop's clock object when it does not follow real time (trio's ``MockClock``,
-        with ``current_time()``), else None."""
-        return None
 
     async def checkpoint(self) -> None:
         """Yield to the loop once, raising if the task is cancelled."""
@@ -142,6 +140,7 @@ class AsyncioLoop(Loop):
         self.loop = loop
         self.identity = loop
         self.keeper = None
+        self.virtual = None
         self.thread = _ident()
         self.cancelled = asyncio.CancelledError
 
@@ -221,7 +220,7 @@ class _TrioWaker(Waker):
 
 
 class TrioLoop(Loop):
-    __slots__ = ("_trio", "clock")
+    __slots__ = ("_trio",)
 
     def __init__(self, token: Any) -> None:
         trio = self._trio = sys.modules["trio"]
@@ -231,13 +230,12 @@ class TrioLoop(Loop):
         self.cancelled = trio.Cancelled
         clock = trio.lowlevel.current_clock()
         testing = sys.modules.get("trio.testing")
-        self.clock = clock if testing is not None and isinstance(clock, testing.MockClock) else None
+        self.virtual = (
+            clock if testing is not None and isinstance(clock, testing.MockClock) else None
+        )
 
     def now(self) -> float:
         return float(self._trio.current_time())
-
-    def virtual_clock(self) -> Any:
-        return self.clock
 
     async def checkpoint(self) -> None:
         await self._trio.lowlevel.checkpoint()
