@@ -370,6 +370,26 @@ class RenewLosesLeaseOnCancel(SimpleLimiter):
         return self._set_expiry(lease.lease_id)
 
 
+class CycleTimeLeaseIds(SimpleLimiter):
+    """Names each lease after the time of the allocation that granted it, as SQL's `now()`
+    (the time its transaction began) would: the leases one allocation grants share an id."""
+
+    def __init__(self, **limits: Any) -> None:
+        super().__init__(**limits)
+        self._cycle = 0.0
+
+    def _expire(self) -> None:
+        self._cycle = anyio.current_time()
+        super()._expire()
+
+    def _drop(self, lease_id: str) -> None:
+        self._cycle = anyio.current_time()
+        super()._drop(lease_id)
+
+    def _new_lease(self) -> Lease:
+        return self._set_expiry(f"lease-{self._cycle!r}")
+
+
 class HidesLeaseTtl(SimpleLimiter):
     """Keeps its lease lifetime to itself (no lease_ttl attribute), so the runtime renews
     its leases at its 30 s default pace."""
@@ -406,48 +426,29 @@ class Wrapped:
         return await self.inner.stats()
 
 
-class _RenamesLeases(Wrapped):
-    """Hands out its own lease ids, each mapped to the inner lease it stands for."""
+class ReusesLeaseIds(Wrapped):
+    """Names each lease after the slot it occupies, so a freed slot's id comes back."""
 
     def __init__(self, **limits: Any) -> None:
         super().__init__(**limits)
-        self._inner: dict[str, SupportsLease] = {}  # our lease id -> the inner lease
-
-    def _lease_id(self) -> str:
-        raise NotImplementedError
+        self._slots: dict[str, Lease] = {}  # "slot-N" -> the inner lease
 
     async def acquire(self, request: AcquireRequest) -> SupportsLease:
         inner = await self.inner.acquire(request)
-        lease_id = self._lease_id()
-        self._inner[lease_id] = inner
-        return Lease(lease_id=lease_id, workload=inner.workload, expires_at=0.0)
+        number = next(n for n in range(len(self._slots) + 1) if f"slot-{n}" not in self._slots)
+        self._slots[f"slot-{number}"] = inner
+        return Lease(lease_id=f"slot-{number}", workload=inner.workload, expires_at=0.0)
 
     async def renew(self, lease: SupportsLease) -> SupportsLease | None:
-        inner = self._inner.get(lease.lease_id)
+        inner = self._slots.get(lease.lease_id)
         if inner is None or await self.inner.renew(inner) is None:
             return None
         return lease
 
     async def release(self, lease: SupportsLease) -> None:
-        inner = self._inner.pop(lease.lease_id, None)
+        inner = self._slots.pop(lease.lease_id, None)
         if inner is not None:
             await self.inner.release(inner)
-
-
-class ReusesLeaseIds(_RenamesLeases):
-    """Names each lease after the slot it occupies, so a freed slot's id comes back."""
-
-    def _lease_id(self) -> str:
-        number = next(n for n in range(len(self._inner) + 1) if f"slot-{n}" not in self._inner)
-        return f"slot-{number}"
-
-
-class TimestampLeaseIds(_RenamesLeases):
-    """Names each lease after the time of its grant, to the millisecond: leases granted in
-    the same instant share an id."""
-
-    def _lease_id(self) -> str:
-        return f"lease-{anyio.current_time():.3f}"
 
 
 class AcceptsUnknownWorkloads(Wrapped):
@@ -466,12 +467,13 @@ class MaxWaitFromQueueHead(Wrapped):
     queue (one "queue started at" timestamp), not from the waiter's own arrival."""
 
     def __init__(self, **limits: Any) -> None:
-        workloads: Mapping[str, Workload] = limits.get("workloads") or {"default": Workload()}
+        super().__init__(**limits)  # checks the settings as given
+        workloads = self.inner.workloads
         self.max_waits = {name: workload.max_wait for name, workload in workloads.items()}
-        limits["workloads"] = {
+        untimed = {
             name: attrs.evolve(workload, max_wait=None) for name, workload in workloads.items()
         }
-        super().__init__(**limits)
+        self.inner = MemoryLimiter(**{**limits, "workloads": untimed})
         self._arrivals: dict[str, float] = {}  # request id -> arrival, while it waits
 
     async def acquire(self, request: AcquireRequest) -> SupportsLease:

@@ -107,8 +107,8 @@ FLAWS = {
         broken.RenewLosesLeaseOnCancel, "cancel_renew", "lost the lease", SIMPLE
     ),
     "hides_lease_ttl": Flaw(broken.HidesLeaseTtl, "slot_lifecycle", "lost its", SIMPLE),
-    "timestamp_lease_ids": Flaw(
-        broken.TimestampLeaseIds, "lease_ids_unique", "distinct", broken.Wrapped
+    "cycle_time_lease_ids": Flaw(
+        broken.CycleTimeLeaseIds, "lease_ids_unique", "distinct|held at once", SIMPLE
     ),
     "accepts_unknown_workloads": Flaw(
         broken.AcceptsUnknownWorkloads, "unknown_workload", "accepted an unknown", broken.Wrapped

@@ -291,15 +291,28 @@ async def _lease_ids_unique(h: Harness) -> None:
     reused = sorted({lease_id for lease_id in ids if ids.count(lease_id) > 1})
     if reused:
         h.fail(f"{len(ids)} grants used only {len(set(ids))} distinct lease ids: {reused[:5]}")
-    # Grants in one instant (one tick of the event loop, the same reading of any clock).
-    burst = await h.limiter(max_concurrent=8, lease_ttl=ttl)
-    probes = [h.start(burst, label=f"burst{index}") for index in range(8)]
-    for probe in probes:
+    # Grants in one instant: four requests started in one tick, then four waiters granted
+    # together when those four leases expire together (one sweep, one transaction).
+    burst = await h.limiter(max_concurrent=4, lease_ttl=ttl)
+    holders = [h.start(burst, label=f"burst{index}") for index in range(4)]
+    for probe in holders:
         await probe.granted("a free slot was not granted")
+    waiters = [h.start(burst, label=f"next{index}") for index in range(4)]
+    await h.queued(burst, len(waiters))
+    for probe in holders:
+        probe.abandon()
+    for probe in waiters:
+        await probe.granted(
+            f"a lease not renewed for lease_ttl={ttl:g}s kept its slot",
+            within=ttl + h.timing.within,
+        )
     same = burst.lease_ids
     if len(set(same)) < len(same):
-        h.fail(f"8 leases granted in the same instant had only {len(set(same))} distinct ids")
-    for probe in probes:
+        h.fail(
+            f"{len(same)} leases granted in the same instants (four in one tick, four as "
+            f"the first four expired together) had only {len(set(same))} distinct ids"
+        )
+    for probe in waiters:
         await probe.release()
     again = await h.limiter(**subject.limits)
     probe = await h.take(again, what="a limiter created again could not grant a slot")
