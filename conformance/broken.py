@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import anyio
+import attrs
 from anyio.lowlevel import checkpoint
 
 from slotwise import (
     AcquireRequest,
     ConcurrencyConfigError,
+    ConcurrencyTimeoutError,
     Lease,
     LimiterStats,
     MemoryLimiter,
@@ -53,17 +56,25 @@ class SimpleLimiter:
     ) -> None:
         self.name = name
         self.max_concurrent = max_concurrent
-        self.lease_ttl = lease_ttl
+        self.lease_ttl = lease_ttl  # read by the runtime: it renews every third of it
+        self._lifetime = lease_ttl
         self._leases: dict[str, float] = {}  # lease id -> expiry
         self._queue: list[_Waiter] = []
 
     async def acquire(self, request: AcquireRequest) -> Lease:
-        await checkpoint()
+        # Take a slot or join the queue at once, then yield: requests that arrive together
+        # keep the order of their calls, whatever order their tasks resume in.
         self._expire()
-        if not self._queue and len(self._leases) < self.max_concurrent:
-            return await self._take()
+        if not self._queue and self._room():
+            lease = await self._take()
+            try:
+                await checkpoint()
+            except BaseException:
+                self._drop(lease.lease_id)
+                raise
+            return lease
         waiter = _Waiter()
-        self._queue.append(waiter)
+        self._join(waiter)
         try:
             await self._wait(waiter)
         except BaseException:
@@ -95,11 +106,24 @@ class SimpleLimiter:
     async def _take(self) -> Lease:
         return self._new_lease()
 
+    def _join(self, waiter: _Waiter) -> None:
+        self._queue.append(waiter)
+
     async def _wait(self, waiter: _Waiter) -> None:
-        while waiter.lease is None:
+        while True:
             with anyio.CancelScope(deadline=self._next_expiry()):
                 await waiter.event.wait()
             self._expire()
+            if waiter.lease is None:
+                continue
+            if waiter.lease.lease_id in self._leases:
+                return
+            # Handed a slot whose lease ran out before this task resumed (the event loop
+            # stalled): it was never held. Wait again, first in line.
+            waiter.lease = None
+            waiter.event = anyio.Event()
+            self._queue.insert(0, waiter)
+            self._hand_on()
 
     def _leave(self, waiter: _Waiter) -> None:
         if waiter in self._queue:
@@ -108,10 +132,17 @@ class SimpleLimiter:
             self._drop(waiter.lease.lease_id)
 
     def _hand_on(self) -> None:
-        while self._queue and len(self._leases) < self.max_concurrent:
+        while self._queue and self._room():
             waiter = self._queue.pop(0)
             waiter.lease = self._new_lease()
             waiter.event.set()
+
+    def _room(self) -> bool:
+        return len(self._leases) < self.max_concurrent
+
+    def _end(self, lease_id: str) -> None:
+        """A lease ran out."""
+        del self._leases[lease_id]
 
     # -- shared -----------------------------------------------------------------------------
 
@@ -119,7 +150,7 @@ class SimpleLimiter:
         return self._set_expiry(uuid.uuid4().hex)
 
     def _set_expiry(self, lease_id: str) -> Lease:
-        expires_at = anyio.current_time() + self.lease_ttl
+        expires_at = anyio.current_time() + self._lifetime
         self._leases[lease_id] = expires_at
         return Lease(lease_id=lease_id, workload="default", expires_at=expires_at)
 
@@ -131,7 +162,7 @@ class SimpleLimiter:
         now = anyio.current_time()
         for lease_id, expires_at in list(self._leases.items()):
             if expires_at <= now:
-                del self._leases[lease_id]
+                self._end(lease_id)
         self._hand_on()
 
     def _next_expiry(self) -> float:
@@ -159,7 +190,7 @@ class LosesWakeups(SimpleLimiter):
     that is cancelled first wakes nobody (the asyncio.Semaphore bug of CPython gh-90155)."""
 
     def _hand_on(self) -> None:
-        if self._queue and len(self._leases) < self.max_concurrent:
+        if self._queue and self._room():
             self._queue.pop(0).event.set()
 
     async def _wait(self, waiter: _Waiter) -> None:
@@ -168,7 +199,7 @@ class LosesWakeups(SimpleLimiter):
                 await waiter.event.wait()
             if not waiter.event.is_set():
                 self._expire()
-            elif len(self._leases) < self.max_concurrent:
+            elif self._room():
                 waiter.lease = self._new_lease()
                 return
             else:  # someone else took the slot first: wait again, at the front
@@ -181,7 +212,7 @@ class ClaimsAfterWakeup(SimpleLimiter):
     claims it when it runs, while a newcomer may already have taken it (anyio#1170)."""
 
     def _hand_on(self) -> None:
-        if self._queue and len(self._leases) < self.max_concurrent:
+        if self._queue and self._room():
             self._queue.pop(0).event.set()
 
     async def _wait(self, waiter: _Waiter) -> None:
@@ -210,7 +241,7 @@ class ServesNewestFirst(SimpleLimiter):
     """Hands a freed slot to the request that arrived last."""
 
     def _hand_on(self) -> None:
-        while self._queue and len(self._leases) < self.max_concurrent:
+        while self._queue and self._room():
             waiter = self._queue.pop()
             waiter.lease = self._new_lease()
             waiter.event.set()
@@ -229,6 +260,143 @@ class RenewsAnyLease(SimpleLimiter):
 
     async def renew(self, lease: SupportsLease) -> Lease | None:
         return self._set_expiry(lease.lease_id)
+
+
+class QueuesBatchesBackwards(SimpleLimiter):
+    """Sends the requests that arrive in the same tick to its queue in one round trip, pushed
+    to the front one by one: requests that arrive together are served newest first."""
+
+    def __init__(self, **limits: Any) -> None:
+        super().__init__(**limits)
+        self._batch: list[_Waiter] = []
+
+    def _join(self, waiter: _Waiter) -> None:
+        self._batch.append(waiter)
+
+    async def _wait(self, waiter: _Waiter) -> None:
+        await checkpoint()  # the round trip: whoever runs first sends the whole batch
+        if self._batch:
+            self._queue.extend(reversed(self._batch))
+            self._batch.clear()
+            self._hand_on()
+        await super()._wait(waiter)
+
+    def _leave(self, waiter: _Waiter) -> None:
+        if waiter in self._batch:
+            self._batch.remove(waiter)
+        super()._leave(waiter)
+
+
+class HandsOutExpiredLeases(SimpleLimiter):
+    """Returns the lease a release handed to a waiter without checking that it is still
+    held when the waiter resumes, however late that is."""
+
+    async def _wait(self, waiter: _Waiter) -> None:
+        while waiter.lease is None:
+            with anyio.CancelScope(deadline=self._next_expiry()):
+                await waiter.event.wait()
+            self._expire()
+
+
+class RevivesExpiredLeases(SimpleLimiter):
+    """Renews any lease still in its table: an expired one stays there until a request
+    needs its slot, and a renewal in the meantime brings it back."""
+
+    async def renew(self, lease: SupportsLease) -> Lease | None:
+        if lease.lease_id not in self._leases:
+            return None
+        return self._set_expiry(lease.lease_id)
+
+
+class RenewsForThirtySeconds(SimpleLimiter):
+    """Renewing extends a lease by a fixed 30 s, whatever lease_ttl says."""
+
+    async def renew(self, lease: SupportsLease) -> Lease | None:
+        self._expire()
+        if lease.lease_id not in self._leases:
+            return None
+        expires_at = self._leases[lease.lease_id] = anyio.current_time() + 30.0
+        return Lease(lease_id=lease.lease_id, workload="default", expires_at=expires_at)
+
+
+class ExpiresAtHalfTtl(SimpleLimiter):
+    """Lets a lease (and each renewal) run for half of lease_ttl."""
+
+    def __init__(self, **limits: Any) -> None:
+        super().__init__(**limits)
+        self._lifetime = self.lease_ttl / 2
+
+
+class FreesExpiredSlots(SimpleLimiter):
+    """Counts held slots beside its lease table; a release takes one off the count for any
+    lease it issued and saw no release of, even one that expired and was counted free then
+    (a counter decremented without checking that the lease was still there)."""
+
+    def __init__(self, **limits: Any) -> None:
+        super().__init__(**limits)
+        self._held = 0
+        self._unreleased: set[str] = set()
+
+    def _room(self) -> bool:
+        return self._held < self.max_concurrent
+
+    def _new_lease(self) -> Lease:
+        lease = super()._new_lease()
+        self._held += 1
+        self._unreleased.add(lease.lease_id)
+        return lease
+
+    def _end(self, lease_id: str) -> None:
+        super()._end(lease_id)
+        self._held -= 1
+
+    def _drop(self, lease_id: str) -> None:
+        if lease_id in self._unreleased:
+            self._unreleased.discard(lease_id)
+            self._leases.pop(lease_id, None)
+            self._held -= 1
+            self._hand_on()
+
+
+class RenewLosesLeaseOnCancel(SimpleLimiter):
+    """Renewing deletes the lease and writes it back with its new expiry after a round trip:
+    a renewal cancelled in between loses the lease."""
+
+    async def renew(self, lease: SupportsLease) -> Lease | None:
+        self._expire()
+        if self._leases.pop(lease.lease_id, None) is None:
+            return None
+        await checkpoint()  # the round trip to the store
+        return self._set_expiry(lease.lease_id)
+
+
+class CycleTimeLeaseIds(SimpleLimiter):
+    """Names each lease after the time of the allocation that granted it, as SQL's `now()`
+    (the time its transaction began) would: the leases one allocation grants share an id."""
+
+    def __init__(self, **limits: Any) -> None:
+        super().__init__(**limits)
+        self._cycle = 0.0
+
+    def _expire(self) -> None:
+        self._cycle = anyio.current_time()
+        super()._expire()
+
+    def _drop(self, lease_id: str) -> None:
+        self._cycle = anyio.current_time()
+        super()._drop(lease_id)
+
+    def _new_lease(self) -> Lease:
+        return self._set_expiry(f"lease-{self._cycle!r}")
+
+
+class HidesLeaseTtl(SimpleLimiter):
+    """Keeps its lease lifetime to itself (no lease_ttl attribute), so the runtime renews
+    its leases at its 30 s default pace."""
+
+    def __init__(self, **limits: Any) -> None:
+        super().__init__(**limits)
+        del self.lease_ttl
 
 
 # -- MemoryLimiter with one thing wrong ---------------------------------------------------
@@ -281,6 +449,129 @@ class ReusesLeaseIds(Wrapped):
         inner = self._slots.pop(lease.lease_id, None)
         if inner is not None:
             await self.inner.release(inner)
+
+
+class AcceptsUnknownWorkloads(Wrapped):
+    """Serves a request for a workload it does not have as one for the default workload."""
+
+    def validate_workload(self, workload: str | None) -> str:
+        return self.inner.validate_workload(workload if workload in self.inner.workloads else None)
+
+    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+        workload = self.validate_workload(request.workload)
+        return await self.inner.acquire(attrs.evolve(request, workload=workload))
+
+
+class MaxWaitFromQueueHead(Wrapped):
+    """Times every waiter's max_wait from the arrival of the request at the head of the
+    queue (one "queue started at" timestamp), not from the waiter's own arrival."""
+
+    def __init__(self, **limits: Any) -> None:
+        super().__init__(**limits)  # checks the settings as given
+        workloads = self.inner.workloads
+        self.max_waits = {name: workload.max_wait for name, workload in workloads.items()}
+        untimed = {
+            name: attrs.evolve(workload, max_wait=None) for name, workload in workloads.items()
+        }
+        self.inner = MemoryLimiter(**{**limits, "workloads": untimed})
+        self._arrivals: dict[str, float] = {}  # request id -> arrival, while it waits
+
+    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+        self._arrivals[request.request_id] = anyio.current_time()
+        deadline = math.inf if request.deadline is None else request.deadline
+        max_wait = self.max_waits.get(request.workload)
+        if max_wait is not None:
+            deadline = min(deadline, min(self._arrivals.values()) + max_wait)
+        try:
+            return await self.inner.acquire(attrs.evolve(request, deadline=deadline))
+        finally:
+            del self._arrivals[request.request_id]
+
+
+class LendsIdleReservations(Wrapped):
+    """Lends the reserved slots to other workloads once no reserved workload has used a slot
+    for lease_ttl, as if a reservation were a lease that its workload must keep renewing."""
+
+    def __init__(self, **limits: Any) -> None:
+        super().__init__(**limits)
+        workloads = self.inner.workloads
+        self._reserving = {name for name, workload in workloads.items() if workload.reserved}
+        self._lendable = sum(workload.reserved for workload in workloads.values())
+        self._lent: set[str] = set()
+        self._reserved_held: set[str] = set()
+        self._used_at = anyio.current_time()  # when a reserved workload last held a slot
+
+    def _idle(self) -> bool:
+        now = anyio.current_time()
+        return not self._reserved_held and now - self._used_at >= self.lease_ttl
+
+    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+        if request.workload in self._reserving:
+            lease = await self.inner.acquire(request)
+            self._reserved_held.add(lease.lease_id)
+            self._used_at = anyio.current_time()
+            return lease
+        try:  # a free slot now, or the reserved one if it is idle
+            return await self.inner.acquire(attrs.evolve(request, deadline=-math.inf))
+        except ConcurrencyTimeoutError:
+            if not (self._idle() and len(self._lent) < self._lendable):
+                return await self.inner.acquire(request)
+        lease_id = f"lent-{uuid.uuid4().hex}"
+        self._lent.add(lease_id)
+        return Lease(lease_id=lease_id, workload=request.workload, expires_at=math.inf)
+
+    async def renew(self, lease: SupportsLease) -> SupportsLease | None:
+        if lease.lease_id in self._lent:
+            return lease
+        return await self.inner.renew(lease)
+
+    async def release(self, lease: SupportsLease) -> None:
+        self._lent.discard(lease.lease_id)
+        if lease.lease_id in self._reserved_held:
+            self._reserved_held.discard(lease.lease_id)
+            self._used_at = anyio.current_time()
+        await self.inner.release(lease)
+
+
+class BlockableStorage(Wrapped):
+    """A MemoryLimiter behind a store with a lock, held for a round trip by each acquire,
+    and by ``blocked()`` (a stalled process holding it, say) for as long as it is entered."""
+
+    def __init__(self, **limits: Any) -> None:
+        super().__init__(**limits)
+        self.storage = anyio.Lock()
+
+    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+        await self._round_trip(request.deadline)
+        return await self.inner.acquire(request)
+
+    async def _round_trip(self, deadline: float | None) -> None:
+        with anyio.move_on_at(math.inf if deadline is None else deadline):
+            async with self.storage:
+                await checkpoint()
+            return
+        raise ConcurrencyTimeoutError("the storage did not answer before the deadline")
+
+    @asynccontextmanager
+    async def blocked(self) -> AsyncIterator[None]:
+        async with self.storage:
+            yield
+
+
+class BlocksPastDeadline(BlockableStorage):
+    """Waits for its store's lock shielded, with no timeout: neither the request's deadline
+    nor a cancellation ends that wait."""
+
+    async def _round_trip(self, deadline: float | None) -> None:
+        with anyio.CancelScope(shield=True):
+            async with self.storage:
+                await checkpoint()
+
+
+def block_storage(limiter: Any) -> AbstractAsyncContextManager[None]:
+    """``conformance_cases(block_storage=...)`` for a :class:`BlockableStorage`."""
+    blocked: AbstractAsyncContextManager[None] = limiter.blocked()
+    return blocked
 
 
 class IgnoresDeadline(Wrapped):

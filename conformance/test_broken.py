@@ -87,13 +87,52 @@ FLAWS = {
     "accepts_invalid_limits": Flaw(
         broken.accepts_invalid_limits, "invalid_limits", "was accepted", MemoryLimiter
     ),
+    "queues_batches_backwards": Flaw(
+        broken.QueuesBatchesBackwards, "arrival_order", "arrived together", SIMPLE
+    ),
+    "hands_out_expired_leases": Flaw(
+        broken.HandsOutExpiredLeases, "stalled_hand_off", "had already expired", SIMPLE
+    ),
+    "revives_expired_leases": Flaw(
+        broken.RevivesExpiredLeases, "renew_after_loss", "was revived", SIMPLE
+    ),
+    "frees_expired_slots": Flaw(
+        broken.FreesExpiredSlots, "renew_after_loss", "held at once", SIMPLE
+    ),
+    "renews_for_thirty_seconds": Flaw(
+        broken.RenewsForThirtySeconds, "lease_expiry", "after that renewal", SIMPLE
+    ),
+    "expires_at_half_ttl": Flaw(broken.ExpiresAtHalfTtl, "lease_lifetime", "was gone", SIMPLE),
+    "renew_loses_lease_on_cancel": Flaw(
+        broken.RenewLosesLeaseOnCancel, "cancel_renew", "lost the lease", SIMPLE
+    ),
+    "hides_lease_ttl": Flaw(broken.HidesLeaseTtl, "slot_lifecycle", "lost its", SIMPLE),
+    "cycle_time_lease_ids": Flaw(
+        broken.CycleTimeLeaseIds, "lease_ids_unique", "distinct|held at once", SIMPLE
+    ),
+    "accepts_unknown_workloads": Flaw(
+        broken.AcceptsUnknownWorkloads, "unknown_workload", "accepted an unknown", broken.Wrapped
+    ),
+    "max_wait_from_queue_head": Flaw(
+        broken.MaxWaitFromQueueHead, "max_wait", "of its own wait", broken.Wrapped
+    ),
+    "lends_idle_reservations": Flaw(
+        broken.LendsIdleReservations, "strict_reservations", "had been idle", broken.Wrapped
+    ),
+    "blocks_past_deadline": Flaw(
+        broken.BlocksPastDeadline,
+        "blocked_storage",
+        "did not end|past it",
+        broken.BlockableStorage,
+    ),
 }
 
 
 def case_named(create: broken.Factory, name: str, anyio_backend: Any) -> ConformanceCase:
     # Halve the durations on the real clock; the mock clock makes waiting free anyway.
     scale = 0.5 if anyio_backend == "asyncio" else 1.0
-    [case] = [c for c in conformance_cases(create, time_scale=scale) if c.name == name]
+    cases = conformance_cases(create, time_scale=scale, block_storage=broken.block_storage)
+    [case] = [c for c in cases if c.name == name]
     return case
 
 
@@ -107,8 +146,21 @@ async def test_broken_limiter_fails_the_case_aimed_at_it(flaw: Flaw, anyio_backe
     assert re.search(flaw.says, message)
 
 
+# Known bugs outside the limiters, marked on exactly the run they break; the fix removes it.
+RUNTIME_BUGS = {
+    ("asyncio", "hides_lease_ttl"): "the lease keeper dies on a renewal that raises "
+    "CancelledError: the slot is never renewed again",
+}
+
+
 @pytest.mark.parametrize("flaw", FLAWS.values(), ids=list(FLAWS))
-async def test_the_limiter_it_was_broken_from_passes(flaw: Flaw, anyio_backend: Any) -> None:
+async def test_the_limiter_it_was_broken_from_passes(
+    flaw: Flaw, anyio_backend: Any, request: pytest.FixtureRequest
+) -> None:
+    name = next(name for name, known in FLAWS.items() if known is flaw)
+    bug = RUNTIME_BUGS.get((request.node.callspec.params["anyio_backend"], name))
+    if bug is not None:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=bug))
     await case_named(flaw.control, flaw.case, anyio_backend).run()
 
 
@@ -116,4 +168,4 @@ def test_every_duty_has_a_broken_limiter() -> None:
     aimed = {flaw.case for flaw in FLAWS.values()}
     untested = {case.name for case in conformance_cases(MemoryLimiter)} - aimed
     # A limiter breaking these needs a backend of its own, not a one-line flaw.
-    assert untested == {"ceiling_isolation", "slot_lifecycle", "invalid_workloads"}
+    assert untested == {"ceiling_isolation", "invalid_workloads"}

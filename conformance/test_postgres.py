@@ -31,7 +31,18 @@ async def create_limiter(**limits: Any) -> AsyncIterator[PostgresLimiter[Any]]:
         yield limiter
 
 
-CASES = conformance_cases(create_limiter)
+@asynccontextmanager
+async def block_storage(limiter: PostgresLimiter[Any]) -> AsyncIterator[None]:
+    """Hold the limiter's row lock from another connection, as a stalled process would."""
+    await limiter.stats()  # the limiter's row exists once it has started
+    async with await psycopg.AsyncConnection.connect(DSN) as conn, conn.transaction():
+        await conn.execute(
+            f'SELECT 1 FROM "{SCHEMA}".limiters WHERE name = %s FOR UPDATE', [limiter.name]
+        )
+        yield
+
+
+CASES = conformance_cases(create_limiter, block_storage=block_storage)
 
 
 @pytest.fixture
@@ -59,6 +70,31 @@ def test_postgres_limiter_declares_every_capability() -> None:
     assert [case.name for case in CASES if case.skip_reason is not None] == []
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+# Known bugs, each marked on exactly the case it breaks; the fix removes its mark.
+KNOWN_BUGS = {
+    "stalled_hand_off": "PostgresLimiter.acquire returns a lease that expired before its "
+    "waiter resumed: no validity check at hand-off",
+    "arrival_order": "PostgresLimiter: requests that arrive together race to the database, "
+    "so they queue in the order their transactions take the lock, not the order of the calls",
+    "blocked_storage": "PostgresLimiter's first allocation waits for the row lock shielded and "
+    "without lock_timeout: neither the deadline nor a cancellation ends that wait",
+    "slot_lifecycle": "the lease keeper dies on a renewal that raises CancelledError: the slot "
+    "is never renewed again",
+}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(
+            case,
+            id=case.name,
+            marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[case.name])]
+            if case.name in KNOWN_BUGS
+            else [],
+        )
+        for case in CASES
+    ],
+)
 async def test_conformance(case: ConformanceCase) -> None:
     await case.run()

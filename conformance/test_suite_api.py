@@ -31,10 +31,10 @@ def case_named(name: str, create: Any, **options: Any) -> ConformanceCase:
 
 
 def test_cases_have_unique_names_duties_and_known_capabilities() -> None:
-    cases = conformance_cases(MemoryLimiter)
+    cases = conformance_cases(MemoryLimiter, block_storage=broken.block_storage)
     assert len({case.name for case in cases}) == len(cases)
     assert all(case.duty and case.skip_reason is None for case in cases)
-    assert set().union(*(case.requires for case in cases)) == set(CAPABILITIES)
+    assert set().union(*(case.requires for case in cases)) == {*CAPABILITIES, "block_storage"}
     assert repr(cases[0]) == "<slotwise.conformance.ConformanceCase 'atomic_allocation'>"
 
 
@@ -52,7 +52,9 @@ def test_time_scale_must_be_positive() -> None:
 def test_skipping_a_capability_skips_every_case_that_needs_it() -> None:
     cases = conformance_cases(MemoryLimiter, skip="workloads")
     skipped = {case.name for case in cases if case.skip_reason is not None}
-    assert skipped == {case.name for case in cases if "workloads" in case.requires}
+    assert skipped == {case.name for case in cases if "workloads" in case.requires} | {
+        "blocked_storage"
+    }
     assert "priority" in skipped
     assert "stats_consistent" not in skipped
 
@@ -142,9 +144,33 @@ async def test_factories_may_be_async_and_clean_up(form: str) -> None:
         "both": both,
         "task group": with_task_group,
     }[form]
-    await case_named("lease_ids_unique", create).run()  # builds two limiters
+    await case_named("lease_ids_unique", create).run()  # builds three limiters
     assert opened.entered == opened.exited
-    assert opened.entered == (0 if form in ("limiter", "awaitable") else 2)
+    assert opened.entered == (0 if form in ("limiter", "awaitable") else 3)
+
+
+async def test_without_block_storage_the_case_needing_it_is_skipped_with_the_reason() -> None:
+    case = case_named("blocked_storage", MemoryLimiter)
+    assert case.requires == {"deadline", "block_storage"}
+    with pytest.raises(pytest.skip.Exception, match="no block_storage was given"):
+        await case.run()
+    given = case_named("blocked_storage", MemoryLimiter, block_storage=broken.block_storage)
+    assert given.skip_reason is None
+
+
+async def test_an_over_grant_a_probe_sees_is_reported_as_such() -> None:
+    # One slot more than asked for: the first request that should queue is granted, and
+    # the case must say so, not that stats() never showed it queued.
+    def one_too_many(**limits: Any) -> MemoryLimiter[str]:
+        return MemoryLimiter(**{**limits, "max_concurrent": limits["max_concurrent"] + 1})
+
+    case = case_named("arrival_order", one_too_many)
+    with anyio.fail_after(2):  # at once, not after a wait runs out
+        with pytest.raises(ConformanceFailure) as failure:
+            await case.run()
+    assert str(failure.value) == (
+        f"{case.duty}: 2 leases were held at once with max_concurrent=1 (held: {{'default': 2}})"
+    )
 
 
 async def test_a_factory_that_returns_no_limiter_fails_clearly() -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import inspect
 import itertools
 import secrets
+import sys
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, NoReturn
 
 import anyio
@@ -23,8 +25,19 @@ from anyio.abc import TaskGroup, TaskStatus
 from .._config import Workload
 from .._errors import ConcurrencyConfigError, ConcurrencyError
 from .._protocol import AcquireRequest, Lease
+from .._runtime.loop import trio_running
 
-__all__ = ("ConformanceFailure", "Harness", "Probe", "Subject", "Timing", "open_limiter")
+__all__ = (
+    "BlockStorage",
+    "ConformanceFailure",
+    "Harness",
+    "Probe",
+    "Subject",
+    "Timing",
+    "open_limiter",
+)
+
+BlockStorage = Callable[[Any], AbstractAsyncContextManager[Any]]
 
 _request_ids = itertools.count(1)
 
@@ -95,12 +108,14 @@ class Harness:
         owners: TaskGroup,
         closing: anyio.Event,
         task_group: TaskGroup,
+        block_storage: BlockStorage | None = None,
     ) -> None:
         self.duty = duty
         self.case = case
         self.timing = timing
         self.supported = supported
         self._create = create_limiter
+        self._block_storage = block_storage
         self._owners = owners
         self._closing = closing
         self._tg = task_group
@@ -112,6 +127,23 @@ class Harness:
     def supports(self, capability: str) -> bool:
         """Whether the limiter under test declared ``capability``."""
         return capability in self.supported
+
+    def block_storage(self, subject: Subject) -> AbstractAsyncContextManager[Any]:
+        """The user's ``block_storage(limiter)``: while entered, the storage does not answer."""
+        assert self._block_storage is not None  # the case requires it
+        return self._block_storage(subject.limiter)
+
+    @staticmethod
+    def stall(seconds: float) -> None:
+        """Block the event loop for ``seconds`` of its clock, as a long synchronous call (or
+        an overloaded machine) does: no task runs meanwhile. On a trio ``MockClock`` the
+        clock jumps instead."""
+        if trio_running():
+            jump = getattr(sys.modules["trio"].lowlevel.current_clock(), "jump", None)
+            if jump is not None:
+                jump(seconds)
+                return
+        time.sleep(seconds)
 
     def unique_name(self) -> str:
         """A limiter name no other case uses, so a shared backend keeps cases apart."""
@@ -246,6 +278,7 @@ class Subject:
         self.active: Counter[str] = Counter()
         self.next_grant = anyio.Event()  # set (and replaced) at every grant
         self.grants: list[str] = []
+        self.arrivals: list[str] = []  # probe labels, in the order they called acquire
         self.lease_ids: list[str] = []
 
     async def acquire(self, workload: str = "default", *, deadline: float | None = None) -> Any:
@@ -335,11 +368,17 @@ class Probe:
                     request_id=f"conformance-{self.label}",
                     deadline=self.deadline,
                 )
+                # Arrival at the limiter is the call: no await between this and it.
+                self.subject.arrivals.append(self.label)
                 lease = await self.subject.limiter.acquire(request)
                 # No await between acquire returning and the lease being counted.
                 self.subject.hold(lease, self.workload, label=self.label)
                 self.lease = lease
             self.cancelled = self.scope.cancelled_caught
+        except ConformanceFailure:
+            # A grant beyond the limits: fail the case with it at once, whatever the case
+            # was waiting for (the probes' task group cancels the case's body).
+            raise
         except Exception as exc:  # judged by the case: some errors are the duty
             self.error = exc
         finally:

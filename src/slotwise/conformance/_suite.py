@@ -10,7 +10,7 @@ from typing import Any, NoReturn, final
 import anyio
 
 from ._cases import CASES, CaseSpec
-from ._harness import ConformanceFailure, Harness, Timing
+from ._harness import BlockStorage, ConformanceFailure, Harness, Timing
 
 __all__ = ("CAPABILITIES", "ConformanceCase", "conformance_cases")
 
@@ -27,6 +27,8 @@ CAPABILITIES: Mapping[str, str] = {
 """What a limiter may declare it lacks, by name, and what each covers. Every other duty
 (atomic allocation, expiring leases, idempotent renew and release, renew returning None,
 unique lease ids, safe cancellation, arrival order, invalid limits) is required."""
+
+_BLOCK_STORAGE = "block_storage"  # needed by a case: given as conformance_cases(block_storage=)
 
 
 def _skip(reason: str) -> NoReturn:
@@ -60,13 +62,14 @@ class ConformanceCase:
     Cases come from ``conformance_cases()``; run one with ``await case.run()``.
     """
 
-    __slots__ = ("_create", "_skip_reason", "_spec", "_supported", "_timing")
+    __slots__ = ("_block_storage", "_create", "_skip_reason", "_spec", "_supported", "_timing")
 
     _spec: CaseSpec
     _create: Callable[..., Any]
     _timing: Timing
     _supported: frozenset[str]
     _skip_reason: str | None
+    _block_storage: BlockStorage | None
 
     def __init__(self) -> None:
         raise TypeError("conformance cases come from slotwise.conformance.conformance_cases()")
@@ -80,6 +83,7 @@ class ConformanceCase:
         timing: Timing,
         supported: frozenset[str],
         skip_reason: str | None,
+        block_storage: BlockStorage | None,
     ) -> ConformanceCase:
         case = cls.__new__(cls)
         case._spec = spec
@@ -87,6 +91,7 @@ class ConformanceCase:
         case._timing = timing
         case._supported = supported
         case._skip_reason = skip_reason
+        case._block_storage = block_storage
         return case
 
     @property
@@ -101,7 +106,8 @@ class ConformanceCase:
 
     @property
     def requires(self) -> frozenset[str]:
-        """The capabilities (names in ``CAPABILITIES``) the case needs."""
+        """The capabilities (names in ``CAPABILITIES``) the case needs, and
+        ``"block_storage"`` when it needs that argument of ``conformance_cases``."""
         return self._spec.requires
 
     @property
@@ -155,6 +161,7 @@ class ConformanceCase:
                         owners=owners,
                         closing=closing,
                         task_group=probes,
+                        block_storage=self._block_storage,
                     )
                     await self._spec.body(harness)
                     # Probes still waiting (a bug already reported, or a case that ends
@@ -176,6 +183,7 @@ def conformance_cases(
     *,
     skip: Iterable[str] | Mapping[str, str] = (),
     time_scale: float = 1.0,
+    block_storage: BlockStorage | None = None,
 ) -> list[ConformanceCase]:
     """The conformance suite: one case per duty of a limiter, to run under pytest.
 
@@ -191,6 +199,12 @@ def conformance_cases(
             skipped, with the reason; the required duties cannot be skipped.
         time_scale: Multiplies every duration the cases use (lease lifetimes, waiting
             bounds); raise it for a backend that is slow to answer or a busy CI machine.
+        block_storage: Called with a limiter under test, it returns an async context
+            manager while which that limiter's storage does not answer (another connection
+            holds its lock, its server is paused). The ``blocked_storage`` case uses it to
+            check that ``acquire`` keeps its deadline and cancellation meanwhile; without
+            it, that case is skipped. A limiter whose state lives in its own process has
+            no storage to block.
 
     Returns:
         The cases, each with ``name`` and an async ``run()``.
@@ -221,12 +235,17 @@ def conformance_cases(
     timing = Timing.scaled(time_scale)
     cases = []
     for spec in CASES:
-        missing = sorted(spec.requires - supported)
+        missing = sorted(spec.requires - supported - {_BLOCK_STORAGE})
         skip_reason = None
         if missing:
             skip_reason = "the limiter declares no " + ", ".join(
                 f"{name!r} support" + (f" ({reasons[name]})" if reasons[name] else "")
                 for name in missing
+            )
+        elif _BLOCK_STORAGE in spec.requires and block_storage is None:
+            skip_reason = (
+                "no block_storage was given (a way to make the limiter's storage stop "
+                "answering for a while)"
             )
         cases.append(
             ConformanceCase._bind(
@@ -235,6 +254,7 @@ def conformance_cases(
                 timing=timing,
                 supported=supported,
                 skip_reason=skip_reason,
+                block_storage=block_storage,
             )
         )
     return cases
