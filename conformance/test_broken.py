@@ -146,21 +146,8 @@ async def test_broken_limiter_fails_the_case_aimed_at_it(flaw: Flaw, anyio_backe
     assert re.search(flaw.says, message)
 
 
-# Known bugs outside the limiters, marked on exactly the run they break; the fix removes it.
-RUNTIME_BUGS = {
-    ("asyncio", "hides_lease_ttl"): "the lease keeper dies on a renewal that raises "
-    "CancelledError: the slot is never renewed again",
-}
-
-
 @pytest.mark.parametrize("flaw", FLAWS.values(), ids=list(FLAWS))
-async def test_the_limiter_it_was_broken_from_passes(
-    flaw: Flaw, anyio_backend: Any, request: pytest.FixtureRequest
-) -> None:
-    name = next(name for name, known in FLAWS.items() if known is flaw)
-    bug = RUNTIME_BUGS.get((request.node.callspec.params["anyio_backend"], name))
-    if bug is not None:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=bug))
+async def test_the_limiter_it_was_broken_from_passes(flaw: Flaw, anyio_backend: Any) -> None:
     await case_named(flaw.control, flaw.case, anyio_backend).run()
 
 

@@ -54,23 +54,6 @@ EDITS = {
 }
 
 
-# Known bugs outside the example, marked on exactly the run they break; the fix removes it.
-RUNTIME_BUGS = {
-    ("asyncio", "slot_lifecycle"): "the lease keeper dies on a renewal that raises "
-    "CancelledError: the slot is never renewed again",
-}
-
-
-@pytest.fixture(autouse=True)
-def _known_runtime_bugs(request: pytest.FixtureRequest) -> None:
-    params = getattr(request.node, "callspec", None)
-    case = params.params.get("case") if params is not None else None
-    if isinstance(case, ConformanceCase):
-        bug = RUNTIME_BUGS.get((params.params["anyio_backend"], case.name))
-        if bug is not None:
-            request.applymarker(pytest.mark.xfail(strict=True, reason=bug))
-
-
 def test_the_example_declares_one_missing_capability() -> None:
     cases: list[ConformanceCase] = globals()["CASES"]  # defined by the page's test module
     skipped = {case.name for case in cases if case.skip_reason is not None}

@@ -78,8 +78,6 @@ KNOWN_BUGS = {
     "so they queue in the order their transactions take the lock, not the order of the calls",
     "blocked_storage": "PostgresLimiter's first allocation waits for the row lock shielded and "
     "without lock_timeout: neither the deadline nor a cancellation ends that wait",
-    "slot_lifecycle": "the lease keeper dies on a renewal that raises CancelledError: the slot "
-    "is never renewed again",
 }
 
 

@@ -34,6 +34,7 @@ __all__ = (
     "later",
     "require",
     "spawn",
+    "trio_running",
 )
 
 _get_running_loop = asyncio._get_running_loop  # None outside a running loop; no exception
@@ -312,6 +313,11 @@ def current() -> Loop | None:
         cache.loop = TrioLoop(token)
         cache.key = token
     return cache.loop
+
+
+def trio_running() -> bool:
+    """Whether the calling code runs under trio."""
+    return isinstance(current(), TrioLoop)
 
 
 def require() -> Loop:
