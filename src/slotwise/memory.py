@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, final, overload
 
@@ -18,6 +20,7 @@ from ._config import (
     wait_timeout,
 )
 from ._core.state import LeaseRecord, LimiterState, Tether, Ticket, holds
+from ._errors import ConcurrencyConfigError
 from ._protocol import AcquireRequest, Lease, SupportsLease
 from ._runtime.loop import Loop, ThreadWaker, Waker, require
 from ._stats import LimiterStats
@@ -25,6 +28,8 @@ from ._stats import LimiterStats
 __all__ = ("MemoryLimiter",)
 
 W = TypeVar("W", bound=str)
+
+_logger = logging.getLogger("slotwise")
 
 
 @final
@@ -76,7 +81,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
     by that trio run only while it holds or awaits slots.
     """
 
-    __slots__ = ("_clock", "_domain", "_lock", "_state", "_watch_until", "_watcher")
+    __slots__ = ("_clock", "_domain", "_lock", "_owner", "_state", "_watchers")
 
     @overload
     def __init__(
@@ -130,11 +135,11 @@ class MemoryLimiter(BuiltinLimiter[W]):
         self._lock = threading.Lock()
         # The state's clock: time.monotonic, or a trio MockClock while a test drives it.
         self._domain: Any = None
+        self._owner: Any = None  # the trio run (its token) whose virtual clock that is
         self._clock: Callable[[], float] = time.monotonic
-        # One waiter at a time watches the clock for leases that expire unrenewed, so a
-        # dead holder's slot is handed on without a background task or a herd of timers.
-        self._watcher: Ticket | None = None
-        self._watch_until = math.inf  # when the sleeping watcher's alarm rings (state clock)
+        # One waiter per thread watches the clock for leases that expire unrenewed, so a dead
+        # holder's slot is handed on without a background task or a herd of timers.
+        self._watchers = _Watchers()
 
     # -- the user's surface ---------------------------------------------------------------
 
@@ -204,7 +209,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         """A slot now, tethered to its holder, if the request would not have to wait."""
         with self._lock:
             record, swept = self._state.take_nowait(workload, self._now(loop), tether)
-            if not swept and self._watcher is None:
+            if not swept and not self._watchers.alarms:
                 return record
             wakers = self._settle(swept, record)
         _wake(wakers)
@@ -271,8 +276,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
         domain = None if loop is None else loop.virtual
         if domain is not self._domain:
             state = self._state
-            if state.leases or state.queued:
-                raise RuntimeError(
+            if (state.leases or state.queued) and not self._abandoned():
+                raise ConcurrencyConfigError(
                     f"limiter {self.name!r} is in use under the virtual clock of a trio run "
                     "(trio.testing.MockClock); another event loop or thread cannot share it "
                     "until that run's slots are released"
@@ -282,9 +287,24 @@ class MemoryLimiter(BuiltinLimiter[W]):
                     "are released"
                 )
             self._domain = domain
+            self._owner = None if domain is None else loop.identity  # type: ignore[union-attr]
             self._clock = time.monotonic if domain is None else domain.current_time
             state.rebase(self._clock())
         return self._clock()
+
+    def _abandoned(self) -> bool:
+        """Whether every slot held or awaited belongs to a trio run on a virtual clock that
+        has ended (a test that left slots behind): then nothing can ever use them, and the
+        state is dropped."""
+        if self._domain is None or self._owner is None:
+            return False
+        try:
+            self._owner.run_sync_soon(lambda: None)
+        except RuntimeError:  # trio.RunFinishedError
+            self._state.clear()
+            self._watchers = _Watchers()
+            return True
+        return False
 
     def _end(
         self, workload: str, enqueued_at: float, loop: Loop | None, deadline: float | None
@@ -317,18 +337,14 @@ class MemoryLimiter(BuiltinLimiter[W]):
             waker: Waker | None = None
             until = end
             if record is not None:
-                self._unwatch(ticket, granted)
+                granted += self._watchers.leave(ticket)
             elif now >= end:
                 granted += state.withdraw(ticket, now)
-                self._unwatch(ticket, granted)
+                granted += self._watchers.leave(ticket)
                 timed_out = True
             else:
-                if self._watcher is None:
-                    self._watcher = ticket
-                if self._watcher is ticket:
-                    until = min(until, state.next_expiry() or math.inf)
-                    self._watch_until = until
                 waker = ticket.waker = ThreadWaker() if loop is None else loop.waker()
+                until = min(until, self._watchers.park(ticket, state.next_expiry()))
             wakers = self._settle(granted)
         _wake(wakers)
         if timed_out:
@@ -342,40 +358,27 @@ class MemoryLimiter(BuiltinLimiter[W]):
     def _leave(self, ticket: Ticket) -> None:
         with self._lock:
             granted = self._state.withdraw(ticket, self._clock())
-            self._unwatch(ticket, granted)
+            granted += self._watchers.leave(ticket)
             wakers = self._settle(granted)
         _wake(wakers)
 
     def _settle(self, granted: list[Ticket], taken: LeaseRecord | None = None) -> list[Waker]:
         """With the lock held: the wakers to call (after it is released) for the tickets
         `granted` and the lease `taken` at once by the caller."""
-        wakers = [ticket.waker for ticket in granted if ticket.waker is not None]
-        # A new lease may expire before the watcher's alarm (which is infinite when it fell
-        # asleep with no lease at all): wake it so it re-arms for the earlier expiry.
-        watcher = self._watcher
-        if watcher is not None and watcher.waker is not None and (granted or taken):
-            leases = [t.lease for t in granted if t.lease is not None]
-            if taken is not None:
-                leases.append(taken)
-            first = min(lease.expires_at for lease in leases)
-            if first < self._watch_until:
-                self._watch_until = first
-                wakers.append(watcher.waker)
+        watchers = self._watchers
+        wakers = []
+        expiries = [] if taken is None else [taken.expires_at]
+        for ticket in granted:
+            if ticket.waker is not None:
+                wakers.append(ticket.waker)
+            if ticket.lease is not None:
+                expiries.append(ticket.lease.expires_at)
+                # A granted watcher may not resume soon (its loop may be stalled): hand its
+                # watch to another waiter of its thread now.
+                wakers += [t.waker for t in watchers.leave(ticket) if t.waker is not None]
+        if expiries and watchers.alarms:
+            wakers += watchers.earlier(min(expiries))
         return wakers
-
-    def _unwatch(self, ticket: Ticket, granted: list[Ticket]) -> None:
-        """With the lock held: `ticket` stops waiting; if it watched the clock, hand that to
-        another waiter (woken, via `granted`'s wakers, so that it re-arms its timer)."""
-        if self._watcher is not ticket:
-            return
-        self._watcher = None
-        self._watch_until = math.inf
-        for queue in self._state.queues.values():
-            for other in queue.values():
-                self._watcher = other
-                if other.waker is not None:
-                    other.waker.wake()
-                return
 
     def __repr__(self) -> str:
         state = self._state
@@ -392,10 +395,72 @@ class MemoryLimiter(BuiltinLimiter[W]):
         )
 
 
+class _Watchers:
+    """Which waiter of each thread watches the clock for leases that expire unrenewed.
+
+    Expiry needs no background task: a waiting request sets its timer to the earliest lease
+    expiry as well as its own deadline. One waiter per thread does so (not every waiter: a
+    herd of timers), and per thread, not per limiter, so that a stalled or paused event loop
+    delays nobody on another one. A watcher that leaves hands its watch to another waiter of
+    its thread, which it wakes so that it re-arms.
+    """
+
+    __slots__ = ("_waiting", "_watching", "alarms")
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, OrderedDict[int, Ticket]] = {}  # by thread, in arrival order
+        self._watching: dict[int, Ticket] = {}  # each thread's watcher
+        self.alarms: dict[int, float] = {}  # when each watcher wakes up, on the state's clock
+
+    def park(self, ticket: Ticket, next_expiry: float | None) -> float:
+        """``ticket`` parks; returns when it must wake up for the clock (``inf``: never)."""
+        thread = ticket.waker.thread
+        self._waiting.setdefault(thread, OrderedDict())[ticket.seq] = ticket
+        watcher = self._watching.setdefault(thread, ticket)
+        if watcher is not ticket:
+            return math.inf
+        alarm = self.alarms[thread] = math.inf if next_expiry is None else next_expiry
+        return alarm
+
+    def leave(self, ticket: Ticket) -> list[Ticket]:
+        """``ticket`` stops waiting. Returns the waiter to wake to take over its watch."""
+        if ticket.waker is None:
+            return []
+        thread = ticket.waker.thread
+        waiting = self._waiting.get(thread)
+        if waiting is None or waiting.pop(ticket.seq, None) is None:
+            return []
+        if not waiting:
+            del self._waiting[thread]
+        if self._watching.get(thread) is not ticket:
+            return []
+        del self._watching[thread]
+        self.alarms.pop(thread, None)
+        if not waiting:
+            return []
+        successor = self._watching[thread] = next(iter(waiting.values()))
+        self.alarms[thread] = math.inf  # until it wakes up and re-arms
+        return [successor]
+
+    def earlier(self, expires_at: float) -> list[Waker]:
+        """A lease now expires at ``expires_at``: the watchers whose alarm is later."""
+        wakers = []
+        for thread, alarm in self.alarms.items():
+            if expires_at < alarm:
+                self.alarms[thread] = expires_at
+                waker = self._watching[thread].waker
+                if waker is not None:
+                    wakers.append(waker)
+        return wakers
+
+
 def _lease(record: LeaseRecord) -> Lease:
     return Lease(lease_id=record.lease_id, workload=record.workload, expires_at=record.expires_at)
 
 
 def _wake(wakers: list[Waker]) -> None:
     for waker in wakers:
-        waker.wake()
+        try:
+            waker.wake()
+        except Exception:  # one waiter's loop gone must not keep the others asleep
+            _logger.debug("slotwise: could not wake a waiter", exc_info=True)

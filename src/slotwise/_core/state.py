@@ -213,6 +213,16 @@ class LimiterState:
         assert not self.queued
         self._expiries.clear()
 
+    def clear(self) -> None:
+        """Drop every lease and waiter: the shell knows none of them can ever be used."""
+        self.leases.clear()
+        for queue in self.queues.values():
+            queue.clear()
+        self.queued = 0
+        self.active = dict.fromkeys(self.active, 0)
+        self.shared_used = 0
+        self._expiries.clear()
+
     def next_expiry(self) -> float | None:
         """When the earliest lease may expire (a lower bound: renewals move it later)."""
         while self._expiries:

@@ -9,8 +9,8 @@ Each renewal runs in a short task of its own, so one that hangs delays no other.
 renewed every third of its TTL; a renewal that fails in any way (an exception, a cancellation
 that is not the keeper's own, a hang past the lease) is reported and retried until the lease
 would have expired; a lease the limiter no longer holds, or one that expires while its
-renewals fail, is lost, which cancels the slot's body. Nothing a limiter or a subscriber
-raises stops the keeper.
+renewals fail or hang, is lost, which cancels the slot's body. Nothing a limiter or a
+subscriber raises stops the keeper.
 """
 
 from __future__ import annotations
@@ -47,10 +47,6 @@ def lease_ttl(limiter: Any) -> float:
     return DEFAULT_LEASE_TTL
 
 
-def _fatal(exc: BaseException) -> bool:
-    return isinstance(exc, KeyboardInterrupt | SystemExit)
-
-
 def _own_cancellation(exc: BaseException, loop: Loop) -> bool:
     """Whether ``exc`` is the cancellation of the running task itself (the keeper stopping,
     the loop shutting down), rather than one a limiter raised on its own (a driver's future
@@ -64,7 +60,17 @@ def _own_cancellation(exc: BaseException, loop: Loop) -> bool:
 
 
 class _Keeper:
-    __slots__ = ("_alarm", "_groups", "_later", "_loop", "_renewing", "_running", "_seq", "_wake")
+    __slots__ = (
+        "_alarm",
+        "_deadlines",
+        "_groups",
+        "_later",
+        "_loop",
+        "_renewing",
+        "_running",
+        "_seq",
+        "_wake",
+    )
 
     def __init__(self, loop: Loop) -> None:
         self._loop = loop
@@ -74,6 +80,9 @@ class _Keeper:
         # Later renewals and retries, which come back in any order: a heap of
         # (due, seq, slot, ttl); an entry of a slot released meanwhile is skipped when due.
         self._later: list[tuple[float, int, Slot, float]] = []
+        # When the lease of a slot whose renewal is in flight runs out: a renewal that does not
+        # return in time (one blocked in a thread cannot be cancelled) loses the lease then.
+        self._deadlines: list[tuple[float, int, Slot]] = []
         self._seq = itertools.count()
         self._running = False
         self._renewing = 0  # renewals in flight
@@ -87,6 +96,10 @@ class _Keeper:
             group = self._groups[ttl] = OrderedDict()
         group[slot] = due
         self._scheduled(due)
+
+    def remaining(self, slot: Slot) -> float:
+        """How long ``slot``'s lease lives yet without another renewal (at least 0.1 s)."""
+        return max(0.1, slot._renewed_at + slot._ttl - self._loop.now())
 
     def forget(self, slot: Slot) -> None:
         """Stop renewing ``slot`` (it was released)."""
@@ -109,9 +122,14 @@ class _Keeper:
         later = self._later
         while later and later[0][2]._released:
             heapq.heappop(later)
+        deadlines = self._deadlines
+        while deadlines and (deadlines[0][2]._released or deadlines[0][2]._lost):
+            heapq.heappop(deadlines)
         dues = [next(iter(g.values())) for g in self._groups.values() if g]
         if later:
             dues.append(later[0][0])
+        if deadlines:
+            dues.append(deadlines[0][0])
         return min(dues) if dues else None
 
     async def _main(self) -> None:
@@ -140,18 +158,24 @@ class _Keeper:
                 current = loop.now()
                 if due is not None and due <= current:
                     idle_since = None
+                    deadlines = self._deadlines
+                    while deadlines and deadlines[0][0] <= current:
+                        _, _, slot = heapq.heappop(deadlines)
+                        if slot._renewed_at + slot._ttl <= current:
+                            slot._lose()  # its renewal is still out, and the lease is over
                     for slot, ttl in self._pop_due(current):
                         renew_nowait = getattr(type(slot.limiter), "renew_nowait", None)
                         if renew_nowait is None:
                             self._renewing += 1
+                            heapq.heappush(
+                                deadlines, (slot._renewed_at + ttl, next(self._seq), slot)
+                            )
                             tg.start_soon(self._renew, slot, ttl)
                             continue
                         # A limiter that renews without awaiting needs no task.
                         try:
                             renewed = renew_nowait(slot.limiter, slot.lease)
                         except BaseException as exc:
-                            if _fatal(exc):
-                                raise
                             self._failed(slot, ttl, exc)
                         else:
                             self._renewed(slot, ttl, current, renewed)
@@ -197,14 +221,14 @@ class _Keeper:
             with anyio.fail_after(max(0.0, slot._renewed_at + ttl - started)):
                 renewed = await slot.limiter.renew(slot.lease)
         except BaseException as exc:
-            if _fatal(exc) or _own_cancellation(exc, self._loop):
+            if _own_cancellation(exc, self._loop):
                 raise
             self._failed(slot, ttl, exc)
         else:
             self._renewed(slot, ttl, started, renewed)
 
     def _renewed(self, slot: Slot, ttl: float, started: float, renewed: Any) -> None:
-        if slot._released:
+        if slot._released or slot._lost:
             return
         if renewed is None:
             slot._lose()
@@ -214,7 +238,7 @@ class _Keeper:
         self._again(slot, started + ttl / 3, ttl)
 
     def _failed(self, slot: Slot, ttl: float, exc: BaseException) -> None:
-        if slot._released:
+        if slot._released or slot._lost:
             return
         slot._renewal_failed(exc)
         expires = slot._renewed_at + ttl
@@ -225,12 +249,21 @@ class _Keeper:
             self._again(slot, min(expires, current + ttl * _RETRY_FRACTION), ttl)
 
 
-def track(slot: Slot, loop: Loop) -> None:
-    """Renew ``slot``'s lease on ``loop`` until it is released or the lease is lost."""
+def track(slot: Slot, loop: Loop, since: float) -> None:
+    """Renew ``slot``'s lease on ``loop`` until it is released or the lease is lost.
+
+    ``since`` is the earliest the lease can have been granted (when the request began to
+    wait): the first renewal comes a third of a TTL after it, so a waiter whose loop stalled
+    between the grant and its resumption renews as soon as it resumes. The lease counts as
+    lost only once a TTL has passed since the slot was taken without a renewal returning.
+    """
     keeper = loop.keeper
     if keeper is None:
         keeper = loop.keeper = _Keeper(loop)
     ttl = slot._ttl = lease_ttl(slot.limiter)
     slot._renewed_at = slot._acquired_at
     slot._keeper = keeper
-    keeper.add(slot, slot._renewed_at + ttl / 3, ttl)
+    if since < slot._acquired_at:
+        keeper._again(slot, since + ttl / 3, ttl)  # out of the first renewals' order
+    else:
+        keeper.add(slot, since + ttl / 3, ttl)

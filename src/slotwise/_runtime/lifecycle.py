@@ -18,7 +18,7 @@ Two ways to keep a lease alive while it is held:
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import inspect
 import itertools
 import logging
 import math
@@ -27,7 +27,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from contextvars import ContextVar, Token
+from contextvars import ContextVar
 from functools import partial
 from types import TracebackType
 from typing import Any, Generic, NoReturn, TypeVar, final
@@ -59,7 +59,8 @@ from .._events import (
 )
 from .._protocol import AcquireRequest, SupportsLease
 from . import dispatch, keeper
-from .loop import Loop, TrioLoop, require
+from .keeper import lease_ttl
+from .loop import Loop, TrioLoop, current, require
 from .runs import Run, current_run
 
 __all__ = (
@@ -118,52 +119,79 @@ def _epoch(deadline: float | None, loop: Loop) -> float | None:
 _releasing: set[asyncio.Future[Any]] = set()
 
 
+def _fatal(exc: BaseException) -> bool:
+    """Whether ``exc`` asks the program to stop (Ctrl-C, `sys.exit`): it always goes on."""
+    return isinstance(exc, KeyboardInterrupt | SystemExit)
+
+
 async def _release(
-    limiter: Any, lease: SupportsLease, done: Callable[[BaseException | None], None]
+    limiter: Any,
+    lease: SupportsLease,
+    done: Callable[[BaseException | None], None],
+    bound: float,
 ) -> None:
-    """Give ``lease`` back to ``limiter`` to the end, whatever cancels the caller, then call
-    ``done`` exactly once with what the release raised (None when it succeeded).
+    """Give ``lease`` back to ``limiter``, whatever cancels the caller, then call ``done``
+    exactly once with what the release raised (None when it succeeded).
 
     A limiter whose class offers ``release_nowait`` is released synchronously. Otherwise the
-    release is awaited inside a shield; anyio's shield stops anyio's cancellations only, so
-    on asyncio the release runs in a task of its own that a native cancellation of the caller
+    release is awaited inside a shield, for at most ``bound`` seconds (the lease's remaining
+    life: after that the limiter frees the slot by itself, and a release that hangs must not
+    hang its caller). anyio's shield stops anyio's cancellations only, so on asyncio the
+    release runs in a task of its own that a native cancellation of the caller
     (``task.cancel()``, ``asyncio.timeout``, the shutdown of ``asyncio.run()``) cannot
     interrupt: the caller's cancellation is re-raised at once and ``done`` runs when the
-    release ends.
+    release ends. Whatever the release raises is reported, never raised, except a request
+    to stop the program.
     """
     nowait = getattr(type(limiter), "release_nowait", None)
     if nowait is not None:
         try:
             nowait(limiter, lease)
-        except Exception as exc:
+        except BaseException as exc:
+            if _fatal(exc):
+                raise
             done(exc)
         else:
             done(None)
         return
+    timed_out = TimeoutError(f"the release did not return within {bound:.3g}s")
     with anyio.CancelScope(shield=True):
         loop = require()
         if isinstance(loop, TrioLoop):
-            try:
-                await limiter.release(lease)
-            except Exception as exc:
-                done(exc)
-            else:
-                done(None)
+            with anyio.move_on_after(bound) as limit:
+                try:
+                    await limiter.release(lease)
+                except BaseException as exc:
+                    if _fatal(exc) or isinstance(exc, loop.cancelled):
+                        raise
+                    done(exc)
+                    return
+            done(timed_out if limit.cancelled_caught else None)
             return
         task = asyncio.ensure_future(limiter.release(lease))
         _releasing.add(task)
         task.add_done_callback(_releasing.discard)
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            caller = asyncio.current_task()
-            if not task.done() or (caller is not None and caller.cancelling()):
-                # The caller is cancelled: it goes at once; the release reports when it ends.
-                task.add_done_callback(lambda task: done(_error_of(task)))
-                raise
-            # Only the release was cancelled (not its caller): a release that failed.
-        except Exception:
-            pass  # reported below
+        with anyio.move_on_after(bound) as limit:
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                caller = asyncio.current_task()
+                if limit.cancel_called or (
+                    not task.done() or (caller is not None and caller.cancelling())
+                ):
+                    if not limit.cancel_called:
+                        # The caller is cancelled: it goes at once; the release reports when
+                        # it ends.
+                        task.add_done_callback(lambda task: done(_error_of(task)))
+                    raise
+                # Else the release alone was cancelled, not its caller: a failed release.
+            except BaseException as exc:
+                if _fatal(exc):
+                    raise  # otherwise what the release raised is reported below
+        if not task.done():  # the bound ran out
+            task.cancel()
+            done(timed_out)
+            return
         done(_error_of(task))
 
 
@@ -198,14 +226,14 @@ class Slot:
     __slots__ = (
         "__weakref__",
         "_acquired_at",
+        "_context",
+        "_frame",
         "_keeper",
         "_loop",
         "_lost",
-        "_outer",
         "_released",
         "_renewed_at",
         "_scope",
-        "_token",
         "_ttl",
         "lease",
         "limiter",
@@ -243,8 +271,8 @@ class Slot:
         self._released = limiter is None
         self._lost = False
         self._scope: Any = None  # the body's cancel scope, when the lease can be lost
-        self._token: Token[tuple[Slot, ...]] | None = None  # its entry in _holding
-        self._outer: Slot | None = None  # the slot the same frame entered before this one
+        self._context: object = None  # the `async with` object that entered it, if one did
+        self._frame: Any = None  # the async generator frame that entered it, if one did
         self._keeper: Any = None  # the keeper that renews the lease, if one must
 
     def _clock(self) -> float:
@@ -280,9 +308,11 @@ class Slot:
             self._release_nowait(nowait, outcome)
             return
         self._released = True
-        if self._keeper is not None:
-            self._keeper.forget(self)
-        await _release(self.limiter, self.lease, partial(self._released_as, outcome))
+        keeper = self._keeper
+        bound = keeper.remaining(self) if keeper is not None else lease_ttl(self.limiter)
+        if keeper is not None:
+            keeper.forget(self)
+        await _release(self.limiter, self.lease, partial(self._released_as, outcome), bound)
 
     def release_sync(self, outcome: Outcome = "completed") -> None:
         """`release()` for code with no event loop (a slot taken with `sync_slot()`).
@@ -310,7 +340,9 @@ class Slot:
             self._keeper.forget(self)
         try:
             nowait(self.limiter, self.lease)  # type: ignore[arg-type]
-        except Exception as exc:
+        except BaseException as exc:
+            if _fatal(exc):
+                raise
             self._release_failed(exc)
             return
         if dispatch._subscriptions and dispatch.wants(self.limiter):
@@ -354,7 +386,7 @@ class Slot:
         if self._scope is not None:
             self._scope.cancel()
 
-    def _context(self) -> dict[str, str | None]:
+    def _context_fields(self) -> dict[str, str | None]:
         """What every event and error of this request carries."""
         return {
             "limiter": self.limiter_name,
@@ -367,10 +399,12 @@ class Slot:
 
     def _emit(self, cls: Any, **fields: Any) -> None:
         if dispatch.wants(self.limiter):
-            dispatch.emit(self.limiter, cls(timestamp=time.time(), **self._context(), **fields))
+            dispatch.emit(
+                self.limiter, cls(timestamp=time.time(), **self._context_fields(), **fields)
+            )
 
     def _fill(self, exc: ConcurrencyError) -> ConcurrencyError:
-        exc._fill(**self._context())
+        exc._fill(**self._context_fields())
         return exc
 
     def __repr__(self) -> str:
@@ -458,9 +492,13 @@ async def acquire(
     slot.lease = lease
     slot._acquired_at = now = loop.now()
     if take_nowait is None:
-        keeper.track(slot, loop)
+        keeper.track(slot, loop, since=start)
     if dispatch._subscriptions and dispatch.wants(limiter):
-        slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=now - start)
+        try:
+            slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=now - start)
+        except BaseException:  # a subscriber's KeyboardInterrupt: nobody will hold the slot
+            await slot.release("cancelled")
+            raise
     return slot
 
 
@@ -489,6 +527,14 @@ def acquire_sync(
     limiter = slot.limiter
     if limiter is None:
         return slot
+    if current() is not None:
+        exc = ConcurrencyConfigError(
+            "sync_slot() blocks its thread, and this thread runs an event loop: a slot held "
+            "on this loop could never be released while it waits. Use `async with "
+            "slot()` here, or run the sync code in a thread (anyio.to_thread.run_sync)"
+        )
+        slot._emit(ConfigErrorEvent, error=_describe(exc))
+        raise slot._fill(exc)
     take = getattr(type(limiter), "_take_blocking", None)
     if take is None:
         exc = ConcurrencyConfigError(
@@ -514,8 +560,12 @@ def acquire_sync(
         _failed(slot, exc, time.monotonic() - start, False, KeyboardInterrupt)
     slot.lease = lease
     slot._acquired_at = now = time.monotonic()
-    if dispatch.wants(limiter):
-        slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=now - start)
+    if dispatch._subscriptions and dispatch.wants(limiter):
+        try:
+            slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=now - start)
+        except BaseException:  # a subscriber's KeyboardInterrupt: nobody will hold the slot
+            slot.release_sync("cancelled")
+            raise
     return slot
 
 
@@ -591,7 +641,7 @@ async def _acquire_renewable(slot: Slot, loop: Loop, deadline: float | None) -> 
         await loop.checkpoint_if_cancelled()
     except BaseException:
         slot.lease = lease
-        await _release(limiter, lease, slot._release_failed)
+        await _release(limiter, lease, slot._release_failed, lease_ttl(limiter))
         raise
     return lease
 
@@ -657,36 +707,65 @@ def _max_wait(limiter: Any, workload: str) -> float | None:
 # -- async with -------------------------------------------------------------------------------
 
 
+def _enter(context: object, slot: Slot, frame: Any) -> None:
+    """Record that ``context`` entered ``slot`` in this task (its exit finds it there)."""
+    slot._context = context
+    _holding.set((*_holding.get(), slot))
+    if frame.f_code.co_flags & inspect.CO_ASYNC_GENERATOR:
+        # The event loop may finalize the generator in a task of its own, where this task's
+        # context is not: the exit then finds the slot by the generator's frame.
+        slot._frame = frame
+        _in_generators[id(frame)] = slot
+
+
+def _exit(context: object, frame: Any) -> Slot | None:
+    """The slot that ``context`` entered and that this exit ends: the innermost one this task
+    entered (whatever frames `AsyncExitStack` or a wrapper run them in), or the one entered
+    by the async generator whose frame this is. None when nothing was limited."""
+    held = _holding.get()
+    for index in range(len(held) - 1, -1, -1):
+        slot = held[index]
+        if slot._context is context and not slot._released:
+            _holding.set(held[:index] + held[index + 1 :])
+            if slot._frame is not None:
+                _in_generators.pop(id(slot._frame), None)
+            return slot
+    found = _in_generators.get(id(frame))
+    if found is not None and found._frame is frame and found._context is context:
+        del _in_generators[id(frame)]
+        return found
+    return None
+
+
+# Slots entered by an async generator, by id(frame) (see _enter).
+_in_generators: dict[int, Slot] = {}
+
+
 @final
 class SlotContext(Generic[W]):
     """`async with` form of `acquire()`: yields the `Slot`, releases it on exit, and cancels
     the body if the lease is lost.
 
     One object may be entered by many tasks at once, and again inside itself: each entry
-    takes a slot of its own, and each exit releases the slot of the same entry.
+    takes a slot of its own, and each exit releases the slot that the same task entered
+    last (as `AsyncExitStack` does).
     """
 
-    __slots__ = ("_allow_nested", "_entered", "_limiter", "_workload")
+    __slots__ = ("_allow_nested", "_limiter", "_workload")
 
     def __init__(self, workload: W | None, limiter: Any, allow_nested: bool) -> None:
         self._workload = workload
         self._limiter = limiter
         self._allow_nested = allow_nested
-        # The slot of each `async with` in progress, by the frame that runs it: the exit
-        # comes from the same frame as its entry, whichever task (or finalizer) runs it.
-        self._entered: dict[Any, Slot] = {}
 
     async def __aenter__(self) -> Slot:
-        frame = sys._getframe(1)
         slot = await acquire(self._workload, limiter=self._limiter, allow_nested=self._allow_nested)
         if slot.lease is None:
             return slot
-        slot._token = _holding.set((*_holding.get(), slot))
+        _enter(self, slot, sys._getframe(1))
         if slot._keeper is not None:  # a lease that can be lost: the body can be cancelled
             scope = slot._scope = require().cancel_scope()
             scope.__enter__()
-        slot._outer = self._entered.get(frame)
-        self._entered[frame] = slot
         return slot
 
     async def __aexit__(
@@ -695,31 +774,22 @@ class SlotContext(Generic[W]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        frame = sys._getframe(1)
-        slot = self._entered.get(frame)
+        slot = _exit(self, sys._getframe(1))
         if slot is None:
             return  # nothing was limited
-        if slot._outer is None:
-            del self._entered[frame]
-        else:
-            self._entered[frame] = slot._outer
         lost = False
         scope, slot._scope = slot._scope, None
-        try:
-            if scope is not None:
+        if scope is not None:
+            try:
                 # Only the keeper cancels this scope, and only when the lease is lost: if the
                 # scope swallowed a cancellation, the lease-lost error below takes its place.
                 scope.__exit__(exc_type, exc, tb)
-                lost = slot._lost and (exc_type is None or scope.cancelled_caught)
-        except BaseException:
-            # Exited from another task: an async generator that held the slot across a
-            # `yield` and was finalized by the event loop. The slot must still go back.
-            await slot.release("cancelled")
-            raise
-        finally:
-            if slot._token is not None:
-                with contextlib.suppress(ValueError):  # reset from another context
-                    _holding.reset(slot._token)
+            except BaseException:
+                # Exited from another task: an async generator that held the slot across a
+                # `yield` and was finalized by the event loop. The slot must still go back.
+                await slot.release("cancelled")
+                raise
+            lost = slot._lost and (exc_type is None or scope.cancelled_caught)
         if lost:
             outcome: Outcome = "cancelled"
         elif exc is None:
@@ -731,7 +801,7 @@ class SlotContext(Generic[W]):
             raise ConcurrencyLeaseLostError(
                 "the slot's lease was lost while the body ran; the body was cancelled",
                 lease_id=slot.lease_id,
-                **slot._context(),
+                **slot._context_fields(),
             ) from None
 
 
@@ -772,7 +842,7 @@ class SyncSlotContext(Generic[W]):
     """`with` form of a slot for code with no event loop: yields the `Slot`, releases it on
     exit. Like `SlotContext`, one object may be entered by many threads at once."""
 
-    __slots__ = ("_allow_nested", "_entered", "_limiter", "_timeout", "_workload")
+    __slots__ = ("_allow_nested", "_limiter", "_timeout", "_workload")
 
     def __init__(
         self, workload: W | None, limiter: Any, timeout: float | None, allow_nested: bool
@@ -781,21 +851,16 @@ class SyncSlotContext(Generic[W]):
         self._limiter = limiter
         self._timeout = timeout
         self._allow_nested = allow_nested
-        self._entered: dict[Any, Slot] = {}
 
     def __enter__(self) -> Slot:
-        frame = sys._getframe(1)
         slot = acquire_sync(
             self._workload,
             limiter=self._limiter,
             timeout=self._timeout,
             allow_nested=self._allow_nested,
         )
-        if slot.lease is None:
-            return slot
-        slot._token = _holding.set((*_holding.get(), slot))
-        slot._outer = self._entered.get(frame)
-        self._entered[frame] = slot
+        if slot.lease is not None:
+            _enter(self, slot, sys._getframe(1))
         return slot
 
     def __exit__(
@@ -804,18 +869,9 @@ class SyncSlotContext(Generic[W]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        frame = sys._getframe(1)
-        slot = self._entered.get(frame)
-        if slot is None:
-            return
-        if slot._outer is None:
-            del self._entered[frame]
-        else:
-            self._entered[frame] = slot._outer
-        if slot._token is not None:
-            with contextlib.suppress(ValueError):
-                _holding.reset(slot._token)
-        slot.release_sync(outcome_of(exc, KeyboardInterrupt))
+        slot = _exit(self, sys._getframe(1))
+        if slot is not None:
+            slot.release_sync(outcome_of(exc, KeyboardInterrupt))
 
 
 def sync_slot(

@@ -44,7 +44,9 @@ _ident = threading.get_ident
 class Waker:
     """A one-shot wake-up call for one waiting task or thread, set from any thread."""
 
-    __slots__ = ()
+    __slots__ = ("thread",)
+
+    thread: int  # the thread the waiter runs in
 
     def wake(self) -> None:
         """Wake the waiter (harmless if it was woken already or has gone)."""
@@ -109,7 +111,7 @@ def _set_future(future: asyncio.Future[None]) -> None:
 
 
 class _FutureWaker(Waker):
-    __slots__ = ("future", "loop", "thread")
+    __slots__ = ("future", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, thread: int) -> None:
         self.loop = loop
@@ -117,11 +119,11 @@ class _FutureWaker(Waker):
         self.future: asyncio.Future[None] = loop.create_future()
 
     def wake(self) -> None:
-        if _ident() == self.thread:
-            _set_future(self.future)
-            return
         with contextlib.suppress(RuntimeError):  # the loop is closed: its waiter with it
-            self.loop.call_soon_threadsafe(_set_future, self.future)
+            if _ident() == self.thread:
+                _set_future(self.future)
+            else:
+                self.loop.call_soon_threadsafe(_set_future, self.future)
 
 
 # Tasks that nothing awaits, kept here so that they are not garbage collected while they run.
@@ -184,7 +186,7 @@ class AsyncioLoop(Loop):
 class _TrioWaker(Waker):
     """trio.Event without its ParkingLot: one task, set once."""
 
-    __slots__ = ("_set", "_task", "thread", "token")
+    __slots__ = ("_set", "_task", "token")
 
     def __init__(self, token: Any, thread: int) -> None:
         self._set = False
@@ -276,6 +278,7 @@ class ThreadWaker(Waker):
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self.thread = _ident()
 
     def wake(self) -> None:
         self._event.set()
@@ -299,19 +302,20 @@ _cache = _Cache()
 def current() -> Loop | None:
     """The running loop of this thread, or None when no event loop runs here."""
     cache = _cache
-    running = _get_running_loop()
-    if running is not None:
-        if cache.key is not running:
-            cache.loop = AsyncioLoop(running)
-            cache.key = running
-        return cache.loop
+    # trio first: in trio's guest mode on an asyncio host, both answer, and trio's is ours.
     trio = sys.modules.get("trio")
-    if trio is None or not trio.lowlevel.in_trio_run():
+    if trio is not None and trio.lowlevel.in_trio_run():
+        token = trio.lowlevel.current_trio_token()
+        if cache.key is not token:
+            cache.loop = TrioLoop(token)
+            cache.key = token
+        return cache.loop
+    running = _get_running_loop()
+    if running is None:
         return None
-    token = trio.lowlevel.current_trio_token()
-    if cache.key is not token:
-        cache.loop = TrioLoop(token)
-        cache.key = token
+    if cache.key is not running:
+        cache.loop = AsyncioLoop(running)
+        cache.key = running
     return cache.loop
 
 

@@ -1,0 +1,434 @@
+"""Faults an adversarial review of the slot lifecycle found, one regression test each.
+
+A slot entered through ``AsyncExitStack`` or a wrapper; the first renewal of a wrapped
+limiter after a stalled hand-off; a renewal that ignores cancellation; a release that hangs
+or raises a ``BaseException``; a subscriber that interrupts ``acquired``; a stalled loop that
+watched the clock for everyone; a waiter left on a closed loop; a limiter left behind by a
+finished trio run on a virtual clock; trio's guest mode; ``sync_slot()`` inside a loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import itertools
+import math
+import threading
+import time
+from typing import Any
+
+import anyio
+import pytest
+import trio
+import trio.testing
+
+import slotwise
+from slotwise import (
+    AcquireRequest,
+    ConcurrencyConfigError,
+    ConcurrencyEvent,
+    ConcurrencyLeaseLostError,
+    Lease,
+    MemoryLimiter,
+    SupportsLease,
+    Workload,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+class Custom:
+    """A custom limiter of unlimited capacity; subclasses misbehave."""
+
+    name = "custom"
+
+    def __init__(self, *, lease_ttl: float = 30.0) -> None:
+        self.lease_ttl = lease_ttl
+        self.held: set[str] = set()
+        self._ids = itertools.count(1)
+
+    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+        await anyio.lowlevel.checkpoint()
+        lease_id = f"lease-{next(self._ids)}"
+        self.held.add(lease_id)
+        return Lease(lease_id=lease_id, workload=request.workload, expires_at=math.inf)
+
+    async def renew(self, lease: SupportsLease) -> SupportsLease | None:
+        await anyio.lowlevel.checkpoint()
+        return lease if lease.lease_id in self.held else None
+
+    async def release(self, lease: SupportsLease) -> None:
+        await anyio.lowlevel.checkpoint()
+        self.held.discard(lease.lease_id)
+
+
+class Forwarding:
+    """A wrapper with no fast paths of its own: the runtime renews its leases."""
+
+    def __init__(self, inner: MemoryLimiter[Any]) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.lease_ttl = inner.lease_ttl
+
+    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+        return await self.inner.acquire(request)
+
+    async def renew(self, lease: SupportsLease) -> SupportsLease | None:
+        return await self.inner.renew(lease)
+
+    async def release(self, lease: SupportsLease) -> None:
+        await self.inner.release(lease)
+
+
+@contextlib.contextmanager
+def recording(limiter: object) -> Any:
+    events: list[ConcurrencyEvent] = []
+    unsubscribe = slotwise.subscribe(events.append, limiter=limiter)
+    try:
+        yield events
+    finally:
+        unsubscribe()
+
+
+# -- entered through an exit stack or a wrapper -----------------------------------------------
+
+
+class Wrapper:
+    """Enters a slot in its own __aenter__ and exits it in its own __aexit__."""
+
+    def __init__(self, limiter: MemoryLimiter[Any]) -> None:
+        self._slot = limiter.slot()
+
+    async def __aenter__(self) -> slotwise.Slot:
+        return await self._slot.__aenter__()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._slot.__aexit__(*exc)
+
+
+async def test_a_slot_entered_through_an_exit_stack_or_a_wrapper_is_released() -> None:
+    limiter = MemoryLimiter(name="stack", max_concurrent=1)
+    async with contextlib.AsyncExitStack() as stack:
+        slot = await stack.enter_async_context(limiter.slot())
+        assert not slot.released
+    assert slot.released
+    async with Wrapper(limiter) as wrapped:
+        assert not wrapped.released
+    assert wrapped.released
+    shared = limiter.slot()
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(shared)
+    # Nothing is left held: the task may take the slot again (no nested-slot refusal).
+    async with limiter.slot():
+        pass
+    assert limiter.stats_nowait().active == 0
+
+
+def test_a_sync_slot_entered_through_an_exit_stack_is_released() -> None:
+    limiter = MemoryLimiter(name="stack", max_concurrent=1)
+    with contextlib.ExitStack() as stack:
+        slot = stack.enter_context(limiter.sync_slot())
+    assert slot.released
+    with limiter.sync_slot(timeout=1):
+        assert limiter.stats_nowait().active == 1
+
+
+# -- renewals of a limiter the runtime renews -------------------------------------------------
+
+
+async def test_a_wrapped_limiter_renews_at_once_after_a_stalled_hand_off() -> None:
+    # The waiter's loop stalls 0.25 s between the grant and its resumption, with a 0.3 s
+    # lease: its first renewal must come as it resumes, not a third of a TTL later.
+    inner = MemoryLimiter(name="wrapped", max_concurrent=1, lease_ttl=0.3)
+    limiter = Forwarding(inner)
+    inside = peak = 0
+
+    async def use(seconds: float) -> None:
+        nonlocal inside, peak
+        async with slotwise.slot(limiter=limiter):
+            inside += 1
+            peak = max(peak, inside)
+            await anyio.sleep(seconds)
+            inside -= 1
+
+    async def holder(queued: anyio.Event) -> None:
+        async with slotwise.slot(limiter=limiter):
+            await queued.wait()
+        time.sleep(0.25)  # noqa: ASYNC251  (the stalled loop is the point)
+        await use(0.0)
+
+    with recording(limiter) as events, anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            queued = anyio.Event()
+            tg.start_soon(holder, queued)
+            await anyio.sleep(0.05)
+            tg.start_soon(use, 0.5)
+            await anyio.sleep(0.05)
+            queued.set()
+    assert peak == 1
+    assert "lease-lost" not in [e.kind for e in events]
+
+
+class RenewsInAThread(Custom):
+    """A renewal that blocks in a thread: cancelling it waits for the thread."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__(lease_ttl=0.6)
+        self.gate = gate
+
+    async def renew(self, lease: SupportsLease) -> SupportsLease | None:
+        await anyio.to_thread.run_sync(self.gate.wait, 10)
+        return lease
+
+
+async def test_a_renewal_that_ignores_cancellation_still_loses_the_lease_in_time() -> None:
+    gate = threading.Event()
+    limiter = RenewsInAThread(gate)
+    started = time.monotonic()
+    try:
+        with pytest.raises(ConcurrencyLeaseLostError), anyio.fail_after(10):
+            async with slotwise.slot(limiter=limiter):
+                await anyio.sleep(5)
+        lost_after = time.monotonic() - started
+    finally:
+        gate.set()
+    assert 0.55 <= lost_after < 2.0  # at the end of the lease, not when the renewal returns
+
+
+# -- releases that hang or raise --------------------------------------------------------------
+
+
+class ReleaseHangs(Custom):
+    async def release(self, lease: SupportsLease) -> None:
+        await anyio.sleep_forever()
+
+
+async def test_a_release_that_hangs_is_bounded_by_the_lease() -> None:
+    limiter = ReleaseHangs(lease_ttl=0.5)
+    with recording(limiter) as events:
+        started = time.monotonic()
+        with anyio.move_on_after(0.2), anyio.fail_after(10):
+            async with slotwise.slot(limiter=limiter):
+                await anyio.sleep(5)
+        took = time.monotonic() - started
+    assert took < 2.0
+    [failed] = [e for e in events if e.kind == "release-failed"]
+    assert "TimeoutError" in failed.error
+
+
+class _Boom(BaseException):
+    pass
+
+
+class ReleaseRaisesBaseException(Custom):
+    async def release(self, lease: SupportsLease) -> None:
+        await super().release(lease)
+        raise _Boom("from release")
+
+
+async def test_a_release_that_raises_a_base_exception_never_replaces_the_bodys() -> None:
+    limiter = ReleaseRaisesBaseException()
+    with recording(limiter) as events, pytest.raises(ValueError, match="from the body"):
+        async with slotwise.slot(limiter=limiter):
+            raise ValueError("from the body")
+    assert [e.kind for e in events][-1] == "release-failed"
+    assert limiter.held == set()
+
+
+# -- a subscriber that interrupts ---------------------------------------------------------------
+
+
+async def test_a_subscriber_interrupting_acquired_gives_the_slot_back() -> None:
+    limiter = Custom()
+
+    def interrupt(event: ConcurrencyEvent) -> None:
+        if event.kind == "acquired":
+            raise KeyboardInterrupt
+
+    unsubscribe = slotwise.subscribe(interrupt, limiter=limiter)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            async with slotwise.slot(limiter=limiter):
+                pytest.fail("the slot never reaches its body")
+    finally:
+        unsubscribe()
+    assert limiter.held == set()
+
+
+# -- watching the clock, across threads -------------------------------------------------------
+
+
+@pytest.mark.parametrize("stalled_backend", ["asyncio", "trio"])
+def test_a_stalled_loop_does_not_delay_expiry_for_other_threads(stalled_backend: str) -> None:
+    # A slot is abandoned (its Slot garbage collected); its lease comes back after 0.3 s. A
+    # waiter of another thread must get it then, although the loop of the first waiter (which
+    # watched the clock) is stalled for 2 s.
+    limiter = MemoryLimiter(
+        name="watch",
+        max_concurrent=2,
+        lease_ttl=0.3,
+        workloads={"a": Workload(max_concurrent=1), "b": Workload()},
+        default_workload="b",
+    )
+    ready = threading.Event()
+
+    def stalled_loop() -> None:
+        async def main() -> None:
+            async def holder() -> None:
+                async with limiter.slot("a"):
+                    await anyio.sleep(3)
+
+            async def waiter() -> None:
+                async with limiter.slot("a"):
+                    pass
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(holder)
+                await anyio.sleep(0.05)
+                tg.start_soon(waiter)
+                await anyio.sleep(0.05)
+                ready.set()
+                await anyio.sleep(0.1)
+                time.sleep(2.0)  # noqa: ASYNC251  (the stall)
+
+        anyio.run(main, backend=stalled_backend)
+
+    async def main() -> float:
+        thread = threading.Thread(target=stalled_loop)
+        thread.start()
+        await anyio.to_thread.run_sync(ready.wait, 10)
+        abandoned = await slotwise.acquire(limiter=limiter, workload="b")
+        del abandoned
+        gc.collect()
+        started = time.monotonic()
+        async with limiter.slot("b"):
+            waited = time.monotonic() - started
+        await anyio.to_thread.run_sync(thread.join, 10)
+        return waited
+
+    waited = asyncio.run(main())
+    assert waited < 1.5
+
+
+def test_a_waiter_left_on_a_closed_loop_keeps_no_one_else_asleep() -> None:
+    limiter = MemoryLimiter(name="closed", max_concurrent=2, lease_ttl=0.2)
+    first = slotwise._runtime.lifecycle.acquire_sync(limiter=limiter)
+    second = slotwise._runtime.lifecycle.acquire_sync(limiter=limiter, allow_nested=True)
+
+    async def wait_for_slot() -> None:
+        async with limiter.slot(allow_nested=True):
+            pass
+
+    async def leave_a_waiter() -> None:
+        asyncio.ensure_future(wait_for_slot())  # noqa: RUF006  (left behind on purpose)
+        await asyncio.sleep(0.05)
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(leave_a_waiter())
+    loop.close()  # its waiter stays queued, on a closed loop
+    waited: list[float] = []
+
+    def live() -> None:
+        started = time.monotonic()
+        with limiter.sync_slot(timeout=3, allow_nested=True):
+            waited.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=live)
+    thread.start()
+    time.sleep(0.1)
+    del first, second  # abandoned: their leases end within lease_ttl
+    gc.collect()
+    time.sleep(0.4)
+    limiter.stats_nowait()  # sweeps, granting both waiters at once: must not raise
+    thread.join(10)
+    assert waited
+    assert waited[0] < 1.5
+
+
+# -- a virtual clock left behind --------------------------------------------------------------
+
+
+def test_a_limiter_left_with_slots_by_a_finished_virtual_clock_run_serves_again() -> None:
+    limiter = MemoryLimiter(name="mock", max_concurrent=1)
+
+    async def take_and_leave() -> None:
+        await limiter.acquire(AcquireRequest(workload="default", request_id="left"))
+
+    trio.run(take_and_leave, clock=trio.testing.MockClock(autojump_threshold=0))
+
+    async def use() -> None:
+        with anyio.fail_after(5):
+            async with limiter.slot():
+                pass
+
+    asyncio.run(use())  # real time: the finished run's slot is gone with it
+
+
+async def test_a_limiter_in_use_on_a_virtual_clock_refuses_other_loops_clearly() -> None:
+    limiter = MemoryLimiter(name="mock", max_concurrent=1)
+    errors: list[BaseException] = []
+
+    def from_a_thread() -> None:
+        try:
+            with limiter.sync_slot(timeout=1, allow_nested=True):
+                pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    async def on_a_virtual_clock() -> None:
+        async with limiter.slot():
+            await trio.to_thread.run_sync(from_a_thread)
+
+    trio_thread = threading.Thread(
+        target=trio.run,
+        args=(on_a_virtual_clock,),
+        kwargs={"clock": trio.testing.MockClock(autojump_threshold=0)},
+    )
+    trio_thread.start()
+    await anyio.to_thread.run_sync(trio_thread.join, 10)
+    [error] = errors
+    assert isinstance(error, ConcurrencyConfigError)
+    assert "virtual clock" in str(error)
+
+
+# -- trio's guest mode ------------------------------------------------------------------------
+
+
+def test_trio_in_guest_mode_on_an_asyncio_host() -> None:
+    limiter = MemoryLimiter(name="guest", max_concurrent=1)
+
+    async def trio_main() -> str:
+        async def hold() -> None:
+            async with limiter.slot():
+                await trio.sleep(0.1)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hold)
+            await trio.sleep(0.01)
+            with trio.fail_after(5):
+                async with limiter.slot():
+                    pass
+        return "ok"
+
+    async def host() -> Any:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        trio.lowlevel.start_guest_run(
+            trio_main,
+            run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+            done_callback=done.set_result,
+        )
+        return (await done).unwrap()
+
+    assert asyncio.run(host()) == "ok"
+
+
+# -- sync_slot inside an event loop -----------------------------------------------------------
+
+
+async def test_sync_slot_inside_an_event_loop_is_refused_clearly() -> None:
+    limiter = MemoryLimiter(name="sync", max_concurrent=1)
+    with pytest.raises(ConcurrencyConfigError, match="runs an event loop"):
+        limiter.sync_slot().__enter__()
+    assert limiter.stats_nowait().active == 0
