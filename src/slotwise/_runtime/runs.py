@@ -48,6 +48,7 @@ class Run:
         "__weakref__",
         "_cancelled",
         "_children",
+        "_parent",
         "_scope",
         "deadline",
         "limiter",
@@ -74,6 +75,7 @@ class Run:
         self.deadline = deadline
         self._cancelled = False
         self._children: weakref.WeakSet[Run] = weakref.WeakSet()
+        self._parent = parent  # for what a run tree shares: slotwise.tools counts its calls
         self._scope = anyio.CancelScope(deadline=math.inf if deadline is None else deadline)
 
     def cancel(self) -> None:
