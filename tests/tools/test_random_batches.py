@@ -33,6 +33,14 @@ from ._cases import Activity
 
 KINDS = ("sleep", "fail", "slow", "unknown", "bad-arguments")
 TIMEOUT = 3.0  # the "slow" tools' timeout; they sleep longer
+# The error each kind of call ends with when it runs (any of them may also find no slot).
+EXPECTED: dict[str, tuple[str | None, ...]] = {
+    "unknown": ("unknown-tool",),
+    "sleep": (None,),
+    "fail": ("failed",),
+    "slow": ("timed-out",),
+    "bad-arguments": ("invalid-arguments",),
+}
 
 
 @attrs.frozen
@@ -177,13 +185,7 @@ async def play(scenario: Scenario, unit: float) -> None:
         return
     assert [r.call_id for r in results] == [call.id for call in batch]
     for call, result in zip(scenario.calls, results, strict=True):
-        allowed = {
-            "unknown": {"unknown-tool"},
-            "sleep": {None},
-            "fail": {"failed"},
-            "slow": {"timed-out"},
-            "bad-arguments": {"invalid-arguments"},
-        }[call.kind]
+        allowed = set(EXPECTED[call.kind])
         if call.kind in ("sleep", "fail", "slow"):
             allowed.add("concurrency-limit")
         assert result.error in allowed, (call, result)

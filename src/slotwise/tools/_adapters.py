@@ -15,8 +15,7 @@ from ._values import ToolCall, ToolResult
 if TYPE_CHECKING:
     from anthropic.types import Message, ToolResultBlockParam
     from openai.types.chat import ChatCompletionMessage, ChatCompletionToolMessageParam
-    from openai.types.responses import Response, ResponseOutputItem
-    from openai.types.responses.response_input_param import FunctionCallOutput
+    from openai.types.responses import Response, ResponseInputItemParam, ResponseOutputItem
 
 __all__ = (
     "from_anthropic",
@@ -126,9 +125,9 @@ def from_openai_responses(
     ]
 
 
-def to_openai_responses(results: Iterable[ToolResult]) -> list[FunctionCallOutput]:
-    """`function_call_output` items, one per result, in order, for the next request's
-    `input`."""
+def to_openai_responses(results: Iterable[ToolResult]) -> list[ResponseInputItemParam]:
+    """`function_call_output` items, one per result, in order: the next request's `input`
+    (with `previous_response_id`), or items to add to the conversation you send."""
     return [
         {"type": "function_call_output", "call_id": result.call_id, "output": result.content}
         for result in results
