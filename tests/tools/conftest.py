@@ -37,6 +37,7 @@ _postgres = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_postgres)
 dsn = _postgres.dsn
 schema = _postgres.schema
+tagged_dsn = _postgres.tagged_dsn
 limiters = _postgres.limiters
 eventually = _postgres.eventually
 
