@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import math
+import sys
 import threading
 import time
 import weakref
@@ -250,7 +252,8 @@ class ToolBox(Generic[W]):
                 timeout=None if timeout is None else seconds("timeout", timeout),
                 sequential=bool(sequential),
                 writes=bool(writes),
-                signature=inspect.signature(fn),
+                signature=(signature := inspect.signature(fn)),
+                fits=_fits(signature),
             )
             return fn
 
@@ -343,6 +346,43 @@ class ToolBox(Generic[W]):
 
 
 _is_async: Callable[[object], bool] = inspect.iscoroutinefunction
+_to_json = json.JSONEncoder(ensure_ascii=False).encode
+
+
+def _clock() -> Callable[[], float]:
+    """The running loop's clock, as `anyio.current_time()` reads it, without looking the
+    event loop up at each read."""
+    trio = sys.modules.get("trio")
+    if trio is not None and trio.lowlevel.in_trio_run():
+        return trio.current_time  # type: ignore[no-any-return]
+    return asyncio.get_running_loop().time
+
+
+def _fits(signature: inspect.Signature) -> Callable[[Mapping[str, Any]], bool]:
+    """Whether keyword arguments fit a handler: a set comparison for the usual signatures,
+    `Signature.bind` for the others."""
+    kinds = {p.kind for p in signature.parameters.values()}
+    if kinds & {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL}:
+
+        def binds(arguments: Mapping[str, Any]) -> bool:
+            try:
+                signature.bind(**arguments)
+            except TypeError:
+                return False
+            return True
+
+        return binds
+    names = frozenset(signature.parameters) - {
+        p.name for p in signature.parameters.values() if p.kind == p.VAR_KEYWORD
+    }
+    required = frozenset(
+        p.name
+        for p in signature.parameters.values()
+        if p.default is p.empty and p.kind != p.VAR_KEYWORD
+    )
+    if inspect.Parameter.VAR_KEYWORD in kinds:
+        return lambda arguments: required <= arguments.keys()
+    return lambda arguments: required <= arguments.keys() <= names
 
 
 def _positive_or_none(setting: str, value: object) -> int | None:
@@ -381,6 +421,7 @@ class _Batch:
         "limiter",
         "limiter_name",
         "lineage",
+        "now",
         "results",
         "started",
         "taken",
@@ -398,10 +439,11 @@ class _Batch:
         self.tools: list[Tool | None] = [None] * len(calls)
         self.arguments: list[dict[str, Any]] = [{}] * len(calls)
         self.taken = [False] * len(calls)
+        self.now = _clock()
         self.started = 0.0
 
     async def run(self) -> list[ToolResult]:
-        self.started = anyio.current_time()
+        self.started = self.now()
         ready = [i for i in range(len(self.calls)) if self._prepare(i)]
         granted = self.box._reserve(self.in_run, len(ready))
         for i in ready[granted:]:
@@ -458,7 +500,8 @@ class _Batch:
             problem = "they must be a JSON object"
         if problem is None:
             try:
-                tool._signature.bind(**arguments)
+                if not tool._fits(arguments):
+                    tool._signature.bind(**arguments)  # raises, saying why
             except TypeError as exc:
                 problem = str(exc)
         if problem is not None:
@@ -515,7 +558,7 @@ class _Batch:
             i = queue.popleft()
             self.taken[i] = True
             if chain:
-                await self._call(i, anyio.current_time(), None)
+                await self._call(i, self.now(), None)
             else:
                 await self._call(i, self.started, None if first else bound)
             first = False
@@ -527,10 +570,8 @@ class _Batch:
         assert tool is not None
         waiting: Any = _UNBOUNDED
         if bound is not None:
-            if anyio.current_time() >= bound:
-                self._reject(
-                    i, "concurrency-limit", self._busy(i), waited=anyio.current_time() - since
-                )
+            if self.now() >= bound:
+                self._reject(i, "concurrency-limit", self._busy(i), waited=self.now() - since)
                 return
             waiting = anyio.CancelScope(deadline=bound)
         held: Slot | None = None
@@ -543,7 +584,7 @@ class _Batch:
                     # Granted: the bound was on the wait only. Nothing awaited since the
                     # grant, so it cannot have fired meanwhile.
                     waiting.deadline = math.inf
-                    started = anyio.current_time()
+                    started = self.now()
                     running = True
                     self._emit(ToolStartedEvent, i, held.request_id, wait_time=started - since)
                     if tool.timeout is None:
@@ -551,14 +592,14 @@ class _Batch:
                     else:
                         with anyio.move_on_after(tool.timeout):
                             value = await tool.handler(**self.arguments[i])
-                    ended = anyio.current_time()
+                    ended = self.now()
                     returned = True
         except Exception as exc:
             if not running:
-                self._refused(i, exc, anyio.current_time() - since)
+                self._refused(i, exc, self.now() - since)
                 return
             if not returned:
-                ended = anyio.current_time()
+                ended = self.now()
                 lost = held is not None and held.lost
                 self._stopped(
                     i,
@@ -576,7 +617,7 @@ class _Batch:
                 return
             # The handler returned, then the lease was lost: what it returned stands.
         except BaseException:
-            now = anyio.current_time()
+            now = self.now()
             if running:
                 self._finished(
                     i,
@@ -597,7 +638,7 @@ class _Batch:
                 )
             raise
         if waiting.cancelled_caught:  # the bound ended the wait
-            self._reject(i, "concurrency-limit", self._busy(i), waited=anyio.current_time() - since)
+            self._reject(i, "concurrency-limit", self._busy(i), waited=self.now() - since)
             return
         assert held is not None
         if value is _TIMED_OUT:
@@ -617,7 +658,7 @@ class _Batch:
             content = value
         else:
             try:
-                content = json.dumps(value, ensure_ascii=False)
+                content = _to_json(value)
             except (TypeError, ValueError) as exc:
                 self._finished(
                     i, held, started - since, ended - started, "failed", "done", type(exc).__name__
@@ -757,7 +798,7 @@ class _Batch:
     def _abandon(self, admitted: list[int]) -> None:
         """The batch was cancelled: the calls no worker took never reach admission."""
         untaken = [i for i in admitted if not self.taken[i]]
-        now = anyio.current_time()
+        now = self.now()
         for i in untaken:
             self._emit(ToolRejectedEvent, i, None, wait_time=now - self.started, reason="cancelled")
         self.box._refund(self.in_run, len(untaken))

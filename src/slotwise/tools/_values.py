@@ -112,3 +112,4 @@ class Tool:
     sequential: bool = False
     writes: bool = False
     _signature: inspect.Signature = attrs.field(repr=False, eq=False)
+    _fits: Callable[[Mapping[str, Any]], bool] = attrs.field(repr=False, eq=False)
