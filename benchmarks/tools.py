@@ -5,12 +5,15 @@ the design of the stacked semaphores: a task per call, a global semaphore, then 
 per tool, gathered (``asyncio.gather`` on asyncio, a nursery on trio). The figure is the cost
 per call, the batch's CPU time divided by its calls; tools that return at once leave only the
 machinery to measure. The ToolBox also does what the semaphores cannot: one atomic admission
-of the pair, results by id, budgets and events.
+of the pair, results by id, budgets and events. A third row, the same workers taking
+``limiter.slot()`` around each call and doing nothing else, shows how much of the ToolBox's
+cost is the slot lifecycle itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,6 +35,7 @@ PER_POOL = 2  # calls at once per pool (one pool per tool)
 GOAL = 3.0  # the ToolBox's cost per call, at most this many times the semaphores'
 
 TOOLBOX = "slotwise.tools.ToolBox"
+SLOTS_ONLY = "limiter.slot() per call"
 PEERS = {
     "asyncio": "asyncio.gather + asyncio.Semaphore",
     "trio": "trio nursery + trio.Semaphore",
@@ -62,6 +66,32 @@ def toolbox() -> ToolBox[str]:
     for name in NAMES:
         box.tool(name=name, pool=name)(instant)
     return box
+
+
+def slots_only(box: ToolBox[str]) -> Callable[[list[ToolCall]], Awaitable[list[Any]]]:
+    """The ToolBox's floor: the same workers (one per slot a pool can hold), each call in
+    `limiter.slot()` around the handler, and nothing else (no results, checks or events)."""
+
+    async def run_batch(calls: list[ToolCall]) -> list[Any]:
+        results: list[Any] = [None] * len(calls)
+        queues: dict[str, deque[int]] = {name: deque() for name in NAMES}
+        for i, call in enumerate(calls):
+            queues[call.name].append(i)
+
+        async def work(pool: str) -> None:
+            queue = queues[pool]
+            while queue:
+                i = queue.popleft()
+                async with box.limiter.slot(pool, allow_nested=True):
+                    results[i] = await instant(**calls[i].arguments)
+
+        async with anyio.create_task_group() as tg:
+            for name in NAMES:
+                for _ in range(PER_POOL):
+                    tg.start_soon(work, name)
+        return results
+
+    return run_batch
 
 
 def stacked(backend: str) -> Callable[[list[ToolCall]], Awaitable[list[Any]]]:
@@ -115,6 +145,7 @@ async def _per_call(
 async def _measure(backend: str, size: Size) -> list[Row]:
     box = toolbox()
     mine = await _per_call(box.run, size)
+    floor = await _per_call(slots_only(box), size)
     theirs = await _per_call(stacked(backend), size)
     ratio = mine / theirs
     n = min(CALLS, size.cycles)
@@ -128,6 +159,7 @@ async def _measure(backend: str, size: Size) -> list[Row]:
             group=group,
             extra=f"goal <= {GOAL:g}x: {'met' if ratio <= GOAL else 'MISSED'} ({ratio:.2f}x)",
         ),
+        Row(**common, peer=SLOTS_ONLY, value=floor * 1e6, group=group),
         Row(**common, peer=PEERS[backend], value=theirs * 1e6, group=group),
     ]
 

@@ -32,9 +32,11 @@ def test_the_tools_section_prints_both_rows_on_both_backends() -> None:
         result.stdout
     )
     lines = [line for line in result.stdout.splitlines() if "us/call" in line]
-    assert len(lines) == 4
+    assert len(lines) == 6
     assert "slotwise.tools.ToolBox" in lines[0]
     assert "goal <= 3x:" in lines[0]
-    assert "asyncio.gather + asyncio.Semaphore" in lines[1]
-    assert "slotwise.tools.ToolBox" in lines[2]
-    assert "trio nursery + trio.Semaphore" in lines[3]
+    assert "limiter.slot() per call" in lines[1]
+    assert "asyncio.gather + asyncio.Semaphore" in lines[2]
+    assert "slotwise.tools.ToolBox" in lines[3]
+    assert "limiter.slot() per call" in lines[4]
+    assert "trio nursery + trio.Semaphore" in lines[5]
