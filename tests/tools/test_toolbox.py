@@ -457,6 +457,84 @@ async def test_cancelling_the_run_cancels_running_calls_and_leaves_no_slot() -> 
     assert (rejected.call_id, rejected.reason) == ("c2", "cancelled")
 
 
+# -- limiter failures -----------------------------------------------------------------------------
+
+
+class Broken:
+    """A custom limiter whose acquire fails."""
+
+    name = "broken"
+
+    async def acquire(self, request: slotwise.AcquireRequest) -> slotwise.Lease:
+        raise OSError("the database is down")
+
+    async def renew(self, lease: slotwise.SupportsLease) -> None:
+        return None
+
+    async def release(self, lease: slotwise.SupportsLease) -> None:
+        return None
+
+
+class Forgetful:
+    """A custom limiter that grants slots but never renews them: a lease is lost within a
+    third of its time to live."""
+
+    name = "forgetful"
+    lease_ttl = 0.3
+
+    def __init__(self) -> None:
+        self.inner = MemoryLimiter(max_concurrent=2, lease_ttl=self.lease_ttl)
+
+    async def acquire(self, request: slotwise.AcquireRequest) -> slotwise.SupportsLease:
+        return await self.inner.acquire(request)
+
+    async def renew(self, lease: slotwise.SupportsLease) -> None:
+        return None
+
+    async def release(self, lease: slotwise.SupportsLease) -> None:
+        await self.inner.release(lease)
+
+
+async def test_a_failing_limiter_is_a_result_and_the_handler_never_runs() -> None:
+    box = ToolBox(limiter=Broken())
+    ran: list[str] = []
+
+    @box.tool
+    async def work() -> str:
+        ran.append("work")
+        return "done"
+
+    recorder = Recorder(box.limiter)
+    [result] = await box.run([ToolCall(id="1", name="work")])
+    recorder.stop()
+    assert (result.error, result.effect) == ("limiter-error", "none")
+    assert "OSError: the database is down" in result.content
+    assert ran == []
+    [rejected] = [e for e in recorder.events if isinstance(e, ToolRejectedEvent)]
+    assert rejected.reason == "limiter-error"
+
+
+@pytest.mark.parametrize("writes", [True, False])
+async def test_a_lost_lease_stops_the_handler(writes: bool) -> None:
+    box = ToolBox(limiter=Forgetful())
+    cancelled: list[str] = []
+
+    @box.tool(writes=writes)
+    async def work() -> str:
+        try:
+            await anyio.sleep(60)
+        except anyio.get_cancelled_exc_class():
+            cancelled.append("work")
+            raise
+        return "never"
+
+    with anyio.fail_after(20):
+        [result] = await box.run([ToolCall(id="1", name="work")])
+    assert cancelled == ["work"]
+    assert (result.error, result.effect) == ("limiter-error", "unknown" if writes else "none")
+    assert result.content == "Tool 'work' was stopped: its slot's lease was lost."
+
+
 # -- result budget --------------------------------------------------------------------------------
 
 

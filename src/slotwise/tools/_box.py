@@ -21,7 +21,6 @@ from .._config import DEFAULT_WORKLOAD, seconds
 from .._errors import (
     ConcurrencyConfigError,
     ConcurrencyError,
-    ConcurrencyLimiterError,
     ConcurrencyQueueFullError,
     ConcurrencyTimeoutError,
 )
@@ -321,9 +320,7 @@ class ToolBox(Generic[W]):
         """Count up to `wanted` calls against the run tree's budget; return how many fit."""
         if self._max_calls is None:
             return wanted
-        root = run
-        while root._parent is not None:
-            root = root._parent
+        root = _root(run)
         with self._lock:
             used = self._calls.get(root, 0)
             granted = max(0, min(wanted, self._max_calls - used))
@@ -333,9 +330,7 @@ class ToolBox(Generic[W]):
     def _refund(self, run: Run, count: int) -> None:
         if self._max_calls is None or not count:
             return
-        root = run
-        while root._parent is not None:
-            root = root._parent
+        root = _root(run)
         with self._lock:
             self._calls[root] = self._calls.get(root, count) - count
 
@@ -383,6 +378,12 @@ def _fits(signature: inspect.Signature) -> Callable[[Mapping[str, Any]], bool]:
     if inspect.Parameter.VAR_KEYWORD in kinds:
         return lambda arguments: required <= arguments.keys()
     return lambda arguments: required <= arguments.keys() <= names
+
+
+def _root(run: Run) -> Run:
+    while run._parent is not None:
+        run = run._parent
+    return run
 
 
 def _positive_or_none(setting: str, value: object) -> int | None:
@@ -641,6 +642,13 @@ class _Batch:
             self._reject(i, "concurrency-limit", self._busy(i), waited=self.now() - since)
             return
         assert held is not None
+        self._returned(i, held, value, started - since, ended - started)
+
+    def _returned(self, i: int, held: Slot, value: Any, waited: float, duration: float) -> None:
+        """The handler ended without raising: it returned ``value``, or its timeout stopped
+        it."""
+        tool = self.tools[i]
+        assert tool is not None
         if value is _TIMED_OUT:
             note = " It may or may not have taken effect." if tool.writes else ""
             self._stopped(
@@ -649,32 +657,27 @@ class _Batch:
                 f"Tool {tool.name!r} did not finish within {tool.timeout:g} s and was "
                 f"cancelled.{note}",
                 held,
-                started - since,
-                ended - started,
+                waited,
+                duration,
                 None,
             )
             return
-        if isinstance(value, str):
-            content = value
-        else:
-            try:
-                content = _to_json(value)
-            except (TypeError, ValueError) as exc:
-                self._finished(
-                    i, held, started - since, ended - started, "failed", "done", type(exc).__name__
-                )
-                self._set(
-                    i,
-                    f"Tool {tool.name!r} returned a {type(value).__name__}, which is not JSON: "
-                    f"{_describe(exc)}",
-                    "failed",
-                    "done",
-                    started - since,
-                    ended - started,
-                )
-                return
-        self._finished(i, held, started - since, ended - started, "completed", "done", None)
-        self._set(i, content, None, "done", started - since, ended - started)
+        try:
+            content = value if isinstance(value, str) else _to_json(value)
+        except (TypeError, ValueError) as exc:
+            self._finished(i, held, waited, duration, "failed", "done", type(exc).__name__)
+            self._set(
+                i,
+                f"Tool {tool.name!r} returned a {type(value).__name__}, which is not JSON: "
+                f"{_describe(exc)}",
+                "failed",
+                "done",
+                waited,
+                duration,
+            )
+            return
+        self._finished(i, held, waited, duration, "completed", "done", None)
+        self._set(i, content, None, "done", waited, duration)
 
     def _refused(self, i: int, exc: Exception, waited: float) -> None:
         """The call got no slot: say why, as a result."""
@@ -684,10 +687,10 @@ class _Batch:
         else:
             tool = self.tools[i]
             assert tool is not None
-            if not isinstance(exc, ConcurrencyLimiterError | ConcurrencyConfigError):
-                exc = ConcurrencyLimiterError(_describe(exc))
             reason = "limiter-error"
-            content = f"Tool {tool.name!r} did not run: the concurrency limiter failed ({_describe(exc)})."
+            content = (
+                f"Tool {tool.name!r} did not run: its slot could not be taken ({_describe(exc)})."
+            )
         request_id = exc.request_id if isinstance(exc, ConcurrencyError) else None
         self._reject(i, reason, content, request_id=request_id, waited=waited)
 
