@@ -4,7 +4,7 @@ Options:
     --tiny             a few iterations of everything: proves the benchmarks run, measures
                        nothing worth reading.
     --only NAME        run one section (repeatable): uncontended, hand-off, cancellation,
-                       memory, allocation.
+                       memory, allocation, tools.
     --backend NAME     asyncio, trio or all. By default the uncontended cycle runs on both
                        and the other sections on asyncio, whose asyncio.Semaphore they compare
                        with; ``all`` runs every section on both.
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from . import allocation, cancellation, handoff, memory, uncontended
+from . import allocation, cancellation, handoff, memory, tools, uncontended
 from ._harness import ANYIO, ASYNCIO_SEMAPHORE, FULL, SLOTWISE, TINY, Row, Size
 
 SECTIONS: dict[str, Callable[[Size, list[str]], list[Row]]] = {
@@ -30,6 +30,7 @@ SECTIONS: dict[str, Callable[[Size, list[str]], list[Row]]] = {
     "cancellation": cancellation.run,
     "memory": memory.run,
     "allocation": allocation.run,
+    "tools": tools.run,
 }
 TITLES = {
     "uncontended": "Uncontended slot cycle: `async with` enter+exit, limit 8, never full "
@@ -40,6 +41,8 @@ TITLES = {
     "memory": "Memory per waiting request, tracemalloc (lower is better)",
     "allocation": "Allocation throughput, 4 workloads with reservations and priorities, "
     f"limit {allocation.LIMIT} (higher is better)",
+    "tools": f"One batch of {tools.CALLS:,} tool calls that return at once, over {tools.POOLS} "
+    f"pools, cost per call (lower is better; goal: within {tools.GOAL:g}x)",
 }
 
 

@@ -28,6 +28,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     )
     demo.add_argument(
+        "what",
+        nargs="?",
+        choices=("fleet", "tools"),
+        default="fleet",
+        help="fleet (default): agents sharing one limiter; tools: a ToolBox's pools filling, "
+        "with a fail-fast refusal (about 5 s)",
+    )
+    demo.add_argument(
         "--seconds", type=_positive, default=15.0, help="how long the fleet runs (default 15)"
     )
     demo.add_argument("--seed", type=int, default=1, help="seeds the simulated load (default 1)")
@@ -49,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the event loop (trio must be installed)",
     )
     args = parser.parse_args(argv)
+    if args.what == "tools":
+        from ._demo_tools import main as tools_main
+
+        return tools_main(backend=args.backend)
 
     from ._demo import main as demo_main
 

@@ -22,6 +22,12 @@ __all__ = (
     "ReleasedEvent",
     "RenewalFailedEvent",
     "TimedOutEvent",
+    "ToolEffect",
+    "ToolFinishedEvent",
+    "ToolOutcome",
+    "ToolRejectedEvent",
+    "ToolRejection",
+    "ToolStartedEvent",
     "WaitCancelledEvent",
     "WaitStartedEvent",
 )
@@ -161,6 +167,75 @@ class ReleaseFailedEvent(_Event):
     error: str
 
 
+ToolRejection: TypeAlias = Literal[
+    "unknown-tool",
+    "invalid-arguments",
+    "concurrency-limit",
+    "limiter-error",
+    "budget-exhausted",
+    "cancelled",
+]
+ToolOutcome: TypeAlias = Literal["completed", "failed", "timed-out", "limiter-error", "cancelled"]
+ToolEffect: TypeAlias = Literal["none", "done", "unknown"]
+
+
+@attrs.frozen(kw_only=True)
+class _ToolEvent(_Event):
+    """Fields every tool event has, beside those of every event (``limiter`` is the ToolBox's
+    limiter, ``workload`` the tool's pool, ``request_id`` the call's slot request, if any).
+
+    Attributes:
+        tool: The tool's name, as the model called it.
+        call_id: The call's id, as the model gave it.
+        wait_time: Seconds the call waited for a slot (for a parallel call, from the start of
+            its batch).
+    """
+
+    tool: str
+    call_id: str
+    wait_time: float
+
+    @property
+    def pool(self) -> str | None:
+        """The tool's pool: the workload of the ToolBox's limiter its calls hold."""
+        return self.workload
+
+
+@attrs.frozen(kw_only=True)
+class ToolStartedEvent(_ToolEvent):
+    """A tool call got its slot and its handler starts."""
+
+    kind: Literal["tool-started"] = "tool-started"
+
+
+@attrs.frozen(kw_only=True)
+class ToolFinishedEvent(_ToolEvent):
+    """A tool call's handler ended after ``duration`` seconds, and its slot was given back.
+
+    ``outcome``: ``"completed"`` (it returned), ``"failed"`` (it raised; ``exception`` names
+    the exception's type, never its message), ``"timed-out"`` (the tool's ``timeout`` cancelled
+    it), ``"limiter-error"`` (its slot's lease was lost) or ``"cancelled"`` (its batch or run
+    was cancelled). ``effect`` is the result's: ``"done"``, ``"unknown"`` (a tool that writes
+    stopped part-way) or ``"none"``."""
+
+    kind: Literal["tool-finished"] = "tool-finished"
+    duration: float
+    outcome: ToolOutcome
+    effect: ToolEffect
+    exception: str | None
+
+
+@attrs.frozen(kw_only=True)
+class ToolRejectedEvent(_ToolEvent):
+    """A tool call ended without its handler ever starting, for ``reason``: the result's
+    error (``"unknown-tool"``, ``"invalid-arguments"``, ``"concurrency-limit"``,
+    ``"limiter-error"``, ``"budget-exhausted"``), or ``"cancelled"`` when its batch or run was
+    cancelled before it got a slot."""
+
+    kind: Literal["tool-rejected"] = "tool-rejected"
+    reason: ToolRejection
+
+
 ConcurrencyEvent: TypeAlias = (
     WaitStartedEvent
     | AcquiredEvent
@@ -174,6 +249,9 @@ ConcurrencyEvent: TypeAlias = (
     | RenewalFailedEvent
     | LeaseLostEvent
     | ReleaseFailedEvent
+    | ToolStartedEvent
+    | ToolFinishedEvent
+    | ToolRejectedEvent
 )
 
 EventKind: TypeAlias = Literal[
@@ -189,4 +267,7 @@ EventKind: TypeAlias = Literal[
     "renewal-failed",
     "lease-lost",
     "release-failed",
+    "tool-started",
+    "tool-finished",
+    "tool-rejected",
 ]

@@ -53,6 +53,7 @@ class Run:
         "_children",
         "_expires",
         "_loop",
+        "_parent",
         "_scope",
         "deadline",
         "limiter",
@@ -83,6 +84,7 @@ class Run:
         self._expires = None if deadline is None else time.monotonic() + deadline - loop.now()
         self._cancelled = False
         self._children: weakref.WeakSet[Run] = weakref.WeakSet()
+        self._parent = parent  # for what a run tree shares: slotwise.tools counts its calls
         self._scope = anyio.CancelScope(deadline=math.inf if deadline is None else deadline)
 
     def deadline_on(self, loop: Loop | None) -> float | None:

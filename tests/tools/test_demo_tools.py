@@ -1,0 +1,55 @@
+"""``python -m slotwise demo tools``: the pools fill, a payment is refused, the limits hold.
+
+On trio the demo runs on a MockClock (virtual time), so every outcome is known; on asyncio it
+runs in real time through the command line, and only what no timing can change is checked.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from trio.testing import MockClock
+
+from slotwise.__main__ import main
+from slotwise._demo_tools import MAX_CONCURRENT, run_demo, summary
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [pytest.param(("trio", {"clock": MockClock(autojump_threshold=0)}), id="trio-mockclock")],
+)
+async def test_the_pools_fill_and_a_payment_is_refused() -> None:
+    out = io.StringIO()
+    result = await run_demo(out=out)
+    outcomes = {
+        call.id: res.error or "done"
+        for agent in result.calls
+        for batch, results in zip(result.calls[agent], result.results[agent], strict=True)
+        for call, res in zip(batch, results, strict=True)
+    }
+    refused = {"c2.1", "b1.5"}  # a refund while another payment runs; two refunds at once
+    assert {call for call, outcome in outcomes.items() if outcome != "done"} == refused | {"b2.3"}
+    assert {outcomes[call] for call in refused} == {"concurrency-limit"}
+    assert outcomes["b2.3"] == "timed-out"
+    board = result.board
+    assert board.peak_total == MAX_CONCURRENT
+    assert (board.peak["search"], board.peak["customers"], board.peak["payments"]) == (1, 2, 1)
+    assert result.held
+    log = out.getvalue()
+    assert "REFUSED: concurrency-limit" in log
+    text = summary(result)
+    assert "Limits held." in text
+    assert all(len(line) <= 78 for line in (log + text).splitlines())
+
+
+def test_the_command_runs_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "tools"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("slotwise demo tools:")
+    assert "b1.5  refund          payments  concurrency-limit" in out
+    assert "b2.3  export_report   default   timed-out" in out
+    assert "Limits held." in out
+    assert all(len(line) <= 80 for line in out.splitlines())
