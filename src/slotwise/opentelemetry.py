@@ -29,15 +29,8 @@ from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from . import __version__
-from ._errors import (
-    ConcurrencyConfigError,
-    ConcurrencyError,
-    ConcurrencyLeaseLostError,
-    ConcurrencyLimiterError,
-    ConcurrencyQueueFullError,
-    ConcurrencyTimeoutError,
-)
+from . import __version__, _errors
+from ._errors import ConcurrencyConfigError, ConcurrencyQueueFullError, ConcurrencyTimeoutError
 from ._events import ConcurrencyEvent
 from ._runtime.dispatch import subscribe
 
@@ -69,17 +62,8 @@ _WAIT_ENDS: dict[str, tuple[str, str | None]] = {
     "config-error": ("config-error", _qualified(ConcurrencyConfigError)),
     "limiter-error": ("limiter-error", ""),
 }
-_SLOTWISE_ERRORS = {
-    cls.__name__: _qualified(cls)
-    for cls in (
-        ConcurrencyError,
-        ConcurrencyConfigError,
-        ConcurrencyLimiterError,
-        ConcurrencyLeaseLostError,
-        ConcurrencyQueueFullError,
-        ConcurrencyTimeoutError,
-    )
-}
+# A limiter may raise slotwise's own errors; their canonical names are public ones.
+_SLOTWISE_ERRORS = {name: _qualified(getattr(_errors, name)) for name in _errors.__all__}
 
 
 def instrument(

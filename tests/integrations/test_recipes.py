@@ -119,6 +119,12 @@ async def test_langchain_how_to(
     assert len(claude.released()) == 12
     for limiter in (module.openai_limit, module.anthropic_limit):
         assert (await limiter.stats()).active == 0
+    # ChatAnthropic keeps one HTTP client per base URL for the whole process and never closes
+    # it: close this one in its own event loop, or its sockets are reported at exit.
+    from langchain_anthropic import _client_utils
+
+    await module.claude._async_client.close()
+    _client_utils._get_default_async_httpx_client.cache_clear()
     gpt.unsubscribe()
     claude.unsubscribe()
 
