@@ -5,7 +5,9 @@ The scenario runs on trio's MockClock (exact times) and on asyncio with short re
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -13,6 +15,7 @@ import anyio.lowlevel
 import attrs
 import pytest
 import trio.testing
+from opentelemetry.metrics import NoOpMeter, NoOpMeterProvider
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -34,6 +37,13 @@ MOCK_TRIO = pytest.param(
     ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)}), id="trio-mockclock"
 )
 BACKENDS = [MOCK_TRIO, pytest.param("asyncio", id="asyncio")]
+SHORT = {
+    "pool": "slotwise.slot.pool.name",
+    "state": "slotwise.slot.state",
+    "workload": "slotwise.workload",
+    "outcome": "slotwise.outcome",
+    "operation": "slotwise.operation",
+}
 
 
 class Otel:
@@ -47,9 +57,12 @@ class Otel:
         self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
         self.cleanups: list[Callable[[], None]] = []
 
-    def instrument(self, limiter: Any = None) -> Callable[[], None]:
+    def instrument(self, limiter: Any = None, **kwargs: Any) -> Callable[[], None]:
         uninstrument = slotwise.opentelemetry.instrument(
-            limiter, meter_provider=self.meter_provider, tracer_provider=self.tracer_provider
+            limiter,
+            meter_provider=self.meter_provider,
+            tracer_provider=self.tracer_provider,
+            **kwargs,
         )
         self.cleanups.append(uninstrument)
         return uninstrument
@@ -66,9 +79,12 @@ class Otel:
         return found
 
     def value(self, name: str, **attributes: str) -> Any:
-        """The value (a sum, or a histogram's (count, sum)) of the point with these attributes."""
-        wanted = {f"slotwise.{k}" if "." not in k else k: v for k, v in attributes.items()}
-        wanted = {k.replace("slotwise.state", "slotwise.slot.state"): v for k, v in wanted.items()}
+        """The value (a sum, or a histogram's (count, sum)) of the point with these attributes.
+
+        `pool`, `state`, `workload`, `outcome` and `operation` stand for slotwise's attribute
+        names; any other key is an attribute name with its dots written as `__`.
+        """
+        wanted = {SHORT.get(k, k.replace("__", ".")): v for k, v in attributes.items()}
         matches = [p for p in self.points().get(name, []) if dict(p.attributes) == wanted]
         assert len(matches) <= 1
         if not matches:
@@ -78,6 +94,10 @@ class Otel:
 
     def spans(self) -> list[ReadableSpan]:
         return list(self.exporter.get_finished_spans())
+
+    def failures(self) -> list[ReadableSpan]:
+        """The spans of failed waits (an immediate grant can take a span on a busy machine)."""
+        return [s for s in self.spans() if s.status.status_code == StatusCode.ERROR]
 
 
 @pytest.fixture
@@ -102,7 +122,8 @@ async def test_metrics_and_spans_of_waits_timeouts_and_rejections(
         max_queued=2,
         workloads={"default": Workload(), "fast": Workload(max_wait=2 * unit)},
     )
-    uninstrument = otel.instrument(limiter)
+    # A's immediate grant stays under the threshold however busy the machine is.
+    uninstrument = otel.instrument(limiter, span_min_wait=unit / 2)
 
     async def hold(workload: str, seconds: float) -> None:
         async with limiter.slot(workload=workload):
@@ -123,71 +144,67 @@ async def test_metrics_and_spans_of_waits_timeouts_and_rejections(
             await hold("default", 0)
 
         assert (
-            otel.value("slotwise.slot.count", limiter="claude", workload="default", state="active")
-            == 1
+            otel.value("slotwise.slot.count", pool="claude", workload="default", state="used") == 1
         )
-        assert (
-            otel.value("slotwise.slot.count", limiter="claude", workload="default", state="queued")
-            == 1
-        )
-        assert (
-            otel.value("slotwise.slot.count", limiter="claude", workload="fast", state="queued")
-            == 1
-        )
+        assert otel.value("slotwise.slot.count", pool="claude", state="idle") == 0
+        assert otel.value("slotwise.slot.pending_requests", pool="claude", workload="default") == 1
+        assert otel.value("slotwise.slot.pending_requests", pool="claude", workload="fast") == 1
 
+    assert otel.value("slotwise.slot.count", pool="claude", workload="default", state="used") == 0
+    assert otel.value("slotwise.slot.count", pool="claude", state="idle") == 1
     for workload in ("default", "fast"):
-        for state in ("active", "queued"):
-            value = otel.value(
-                "slotwise.slot.count", limiter="claude", workload=workload, state=state
-            )
-            assert value in (0, None)
-    assert otel.value("slotwise.slot.timeouts", limiter="claude", workload="fast") == 1
-    assert otel.value("slotwise.slot.rejections", limiter="claude", workload="default") == 1
-    assert otel.value("slotwise.slot.limit", limiter="claude") == 1
-    assert otel.value("slotwise.workload.limit", limiter="claude", workload="fast") == 1
-    assert otel.value("slotwise.workload.reserved", limiter="claude", workload="default") == 0
-    wait_count, wait_sum = otel.value(
-        "slotwise.slot.wait_time", limiter="claude", workload="default"
-    )
-    hold_count, hold_sum = otel.value(
-        "slotwise.slot.hold_time", limiter="claude", workload="default", outcome="completed"
+        assert otel.value("slotwise.slot.pending_requests", pool="claude", workload=workload) == 0
+    assert otel.value("slotwise.slot.timeouts", pool="claude", workload="fast") == 1
+    assert otel.value("slotwise.slot.rejections", pool="claude", workload="default") == 1
+    assert otel.value("slotwise.slot.max", pool="claude") == 1
+    assert otel.value("slotwise.workload.max", pool="claude", workload="fast") == 1
+    assert otel.value("slotwise.workload.reserved", pool="claude", workload="default") == 0
+    wait_count, wait_sum = otel.value("slotwise.slot.wait_time", pool="claude", workload="default")
+    use_count, use_sum = otel.value(
+        "slotwise.slot.use_time", pool="claude", workload="default", outcome="completed"
     )
     # A and B; C and D never got a slot.
     assert wait_count == 2
-    assert hold_count == 2
+    assert use_count == 2
     if unit == 1.0:
         assert wait_sum == pytest.approx(5.0)
-        assert hold_sum == pytest.approx(6.0)
+        assert use_sum == pytest.approx(6.0)
     else:
         assert wait_sum >= 5 * unit
-        assert hold_sum >= 6 * unit
+        assert use_sum >= 6 * unit
 
-    # Spans only for the requests that waited: B (acquired) and C (timed out).
+    # Spans for the requests that waited, B (acquired) and C (timed out), and for D, refused.
     spans = sorted(otel.spans(), key=lambda s: str(attributes(s)["slotwise.wait.outcome"]))
-    assert [s.name for s in spans] == ["slotwise.wait", "slotwise.wait"]
-    acquired, gave_up = spans
+    assert [s.name for s in spans] == ["slotwise.wait"] * 3
+    acquired, refused, gave_up = spans
     assert attributes(acquired)["slotwise.wait.outcome"] == "acquired"
     assert attributes(acquired)["slotwise.workload"] == "default"
+    assert attributes(acquired)["slotwise.slot.pool.name"] == "claude"
     assert attributes(acquired)["slotwise.lease.id"]
+    assert "error.type" not in attributes(acquired)
     assert acquired.status.status_code == StatusCode.UNSET
     assert attributes(gave_up)["slotwise.wait.outcome"] == "timed-out"
     assert attributes(gave_up)["slotwise.workload"] == "fast"
+    assert attributes(gave_up)["error.type"] == "slotwise.ConcurrencyTimeoutError"
     assert gave_up.status.status_code == StatusCode.ERROR
+    assert attributes(refused)["slotwise.wait.outcome"] == "queue-full"
+    assert attributes(refused)["error.type"] == "slotwise.ConcurrencyQueueFullError"
+    assert refused.status.status_code == StatusCode.ERROR
     if unit == 1.0:
         assert duration(acquired) == pytest.approx(5.0, abs=1e-6)
         assert duration(gave_up) == pytest.approx(2.0, abs=1e-6)
+        assert duration(refused) == 0
 
     # Nothing more is recorded once uninstrumented.
     uninstrument()
     uninstrument()
     await hold("default", 0)
-    assert (
-        otel.value(
-            "slotwise.slot.hold_time", limiter="claude", workload="default", outcome="completed"
-        )[0]
-        == 2
+    use = otel.value(
+        "slotwise.slot.use_time", pool="claude", workload="default", outcome="completed"
     )
-    assert otel.value("slotwise.slot.limit", limiter="claude") is None
+    assert use[0] == 2
+    assert otel.value("slotwise.slot.max", pool="claude") is None
+    assert otel.value("slotwise.slot.count", pool="claude", state="idle") is None
 
 
 def attributes(span: ReadableSpan) -> dict[str, Any]:
@@ -251,23 +268,154 @@ async def test_lost_leases_and_limiter_errors(otel: Otel) -> None:
     with pytest.raises(slotwise.ConcurrencyLimiterError):
         async with slotwise.slot(limiter=BrokenLimiter()):
             pass
-    assert otel.value("slotwise.slot.leases_lost", limiter="losing", workload="default") == 1
-    assert (
-        otel.value("slotwise.slot.count", limiter="losing", workload="default", state="active") == 0
-    )
+    assert otel.value("slotwise.slot.leases_lost", pool="losing", workload="default") == 1
+    assert otel.value("slotwise.slot.count", pool="losing", workload="default", state="used") == 0
     assert (
         otel.value(
             "slotwise.limiter.errors",
-            limiter="broken",
+            pool="broken",
             workload="default",
             operation="acquire",
-            **{"error.type": "ConnectionError"},
+            error__type="ConnectionError",
         )
         == 1
     )
+    (span,) = otel.failures()
+    assert attributes(span)["slotwise.wait.outcome"] == "limiter-error"
+    assert attributes(span)["error.type"] == "ConnectionError"
     assert "hunter2" not in everything_recorded(otel, [])
     # A limiter object named by nobody has no limit to report.
-    assert "slotwise.slot.limit" not in otel.points()
+    assert "slotwise.slot.max" not in otel.points()
+    assert otel.value("slotwise.slot.count", pool="losing", state="idle") is None
+
+
+async def test_a_config_error_is_a_span_with_its_exception_class(otel: Otel) -> None:
+    limiter: MemoryLimiter[str] = MemoryLimiter(name="claude", max_concurrent=1)
+    otel.instrument(limiter)
+    with pytest.raises(slotwise.ConcurrencyConfigError):
+        async with slotwise.slot(limiter=limiter, workload="typo"):
+            pass
+    (span,) = otel.failures()
+    assert attributes(span)["slotwise.wait.outcome"] == "config-error"
+    assert attributes(span)["error.type"] == "slotwise.ConcurrencyConfigError"
+    assert span.status.status_code == StatusCode.ERROR
+
+
+async def test_limiters_instrumented_one_by_one_each_report_their_limits(otel: Otel) -> None:
+    a: MemoryLimiter[str] = MemoryLimiter(name="a", max_concurrent=1)
+    b: MemoryLimiter[str] = MemoryLimiter(
+        name="b",
+        max_concurrent=3,
+        workloads={"x": Workload(max_concurrent=2, reserved=1), "y": Workload()},
+        default_workload="y",
+    )
+    otel.instrument(a)
+    uninstrument_b = otel.instrument(b)
+    async with b.slot(workload="x"):
+        assert otel.value("slotwise.slot.max", pool="a") == 1
+        assert otel.value("slotwise.slot.max", pool="b") == 3
+        assert otel.value("slotwise.workload.max", pool="b", workload="x") == 2
+        assert otel.value("slotwise.workload.max", pool="b", workload="y") == 3
+        assert otel.value("slotwise.workload.reserved", pool="b", workload="x") == 1
+        assert otel.value("slotwise.slot.count", pool="a", state="idle") == 1
+        assert otel.value("slotwise.slot.count", pool="b", state="idle") == 2
+        assert otel.value("slotwise.slot.count", pool="b", workload="x", state="used") == 1
+    uninstrument_b()
+    assert otel.value("slotwise.slot.max", pool="a") == 1
+    assert otel.value("slotwise.slot.max", pool="b") is None
+    assert otel.value("slotwise.slot.count", pool="b", workload="x", state="used") is None
+    # The same provider, instrumented again, reports b again.
+    otel.instrument(b)
+    assert otel.value("slotwise.slot.max", pool="b") == 3
+
+
+async def test_overlapping_instrument_calls_record_each_event_once(otel: Otel) -> None:
+    a, other = (
+        MemoryLimiter(name=name, max_concurrent=1, workloads={"default": Workload(max_wait=0)})
+        for name in ("a", "other")
+    )
+    everything = otel.instrument()
+    first = otel.instrument(a)
+    second = otel.instrument(a)
+
+    async def busy_then_refused(limiter: MemoryLimiter[str]) -> None:
+        async with limiter.slot():
+            with pytest.raises(slotwise.ConcurrencyTimeoutError):
+                async with limiter.slot(allow_nested=True):
+                    pass
+
+    await busy_then_refused(a)
+    await busy_then_refused(other)
+    for pool in ("a", "other"):
+        assert otel.value("slotwise.slot.wait_time", pool=pool, workload="default")[0] == 1
+        assert otel.value("slotwise.slot.timeouts", pool=pool, workload="default") == 1
+        assert otel.value("slotwise.slot.count", pool=pool, workload="default", state="used") == 0
+        assert otel.value("slotwise.slot.pending_requests", pool=pool, workload="default") == 0
+    assert otel.value("slotwise.slot.count", pool="a", state="idle") == 1
+    assert len(otel.failures()) == 2  # the two refusals
+
+    # Without the call for every limiter, a is still recorded once; the other is forgotten.
+    everything()
+    await busy_then_refused(a)
+    await busy_then_refused(other)
+    assert otel.value("slotwise.slot.wait_time", pool="a", workload="default")[0] == 2
+    assert otel.value("slotwise.slot.timeouts", pool="a", workload="default") == 2
+    assert otel.value("slotwise.slot.count", pool="other", workload="default", state="used") is None
+    assert otel.value("slotwise.slot.timeouts", pool="other", workload="default") == 1
+    assert len(otel.failures()) == 3
+
+    first()
+    await busy_then_refused(a)
+    assert otel.value("slotwise.slot.timeouts", pool="a", workload="default") == 3
+    second()
+    await busy_then_refused(a)
+    assert otel.value("slotwise.slot.timeouts", pool="a", workload="default") == 3
+    assert otel.value("slotwise.slot.max", pool="a") is None
+    assert len(otel.failures()) == 4
+
+
+class RecordingMeter(NoOpMeter):
+    """Notes the kind and unit of every instrument created."""
+
+    def __init__(self) -> None:
+        super().__init__("slotwise")
+        self.created: dict[str, tuple[str, str]] = {}
+
+    def create_counter(self, name: str, unit: str = "", description: str = "") -> Any:
+        self.created[name] = ("Counter", unit)
+        return super().create_counter(name, unit, description)
+
+    def create_histogram(self, name: str, unit: str = "", description: str = "", **kw: Any) -> Any:
+        self.created[name] = ("Histogram", unit)
+        return super().create_histogram(name, unit, description, **kw)
+
+    def create_observable_up_down_counter(
+        self, name: str, callbacks: Any = None, unit: str = "", description: str = ""
+    ) -> Any:
+        self.created[name] = ("Asynchronous UpDownCounter", unit)
+        return super().create_observable_up_down_counter(name, callbacks, unit, description)
+
+
+class RecordingMeterProvider(NoOpMeterProvider):
+    def __init__(self) -> None:
+        self.meter = RecordingMeter()
+
+    def get_meter(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return self.meter
+
+
+def test_the_reference_lists_every_metric_with_its_instrument_and_unit() -> None:
+    provider = RecordingMeterProvider()
+    uninstrument = slotwise.opentelemetry.instrument(meter_provider=provider)
+    uninstrument()
+    text = (Path(__file__).parents[2] / "docs" / "reference" / "metrics.md").read_text()
+    section = text.split("\n## Metrics\n", 1)[1].split("\n##", 1)[0]
+    rows = re.findall(r"^\| `(slotwise\.[^`]+)` \| ([^|]+) \| `([^`]*)` \|", section, re.M)
+    documented = {name: (instrument, unit) for name, instrument, unit in rows}
+    assert documented == provider.meter.created
+    # The conventions' units.
+    assert provider.meter.created["slotwise.slot.timeouts"] == ("Counter", "{timeout}")
+    assert provider.meter.created["slotwise.slot.pending_requests"][1] == "{request}"
 
 
 async def test_without_an_sdk_nothing_happens() -> None:
@@ -318,7 +466,7 @@ async def test_no_header_body_or_prompt_is_ever_recorded(
     assert any(key in a for a in provider.authorizations)
     assert any(prompt.encode() in b for b in provider.bodies)
     # And slotwise saw the requests: events, metrics and at least one wait span.
-    assert otel.points()["slotwise.slot.hold_time"]
+    assert otel.points()["slotwise.slot.use_time"]
     assert otel.spans()
     recorded = everything_recorded(otel, events)
     assert key not in recorded
