@@ -120,6 +120,8 @@ def client(
     Raises:
         ModuleNotFoundError: The stack's package is not installed; the message names the
             command that installs it (`pip install 'slotwise[httpx]'` for `httpx2`).
+        ValueError: `stack` is neither `"httpx2"` nor `"httpx"`.
+        ConcurrencyConfigError: `idle_timeout` is not a positive number of seconds or None.
 
     Example:
         ```python
