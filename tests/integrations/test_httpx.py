@@ -339,7 +339,7 @@ async def test_the_client_pools_and_redirects_as_the_sdks_do(
     async with slotwise.httpx.client(limiter=limiter, stack=stack, base_url=provider.url) as c:  # type: ignore[call-overload]
 
         async def one() -> None:
-            await c.post("/raw", json={}, headers={"x-fake-delay": "1.0"})
+            await c.post("/raw", json={}, headers={"x-fake-delay": "2.0"})
 
         async with anyio.create_task_group() as tg:
             for _ in range(150):
@@ -445,7 +445,7 @@ async def idle_scenario(stack: str, scale: float) -> None:
         assert not holders.kinds("reclaimed")
         await chunks.__anext__()  # the server takes 15: never idle while a read waits
         last_read = anyio.current_time()
-        await anyio.sleep(9 * scale)
+        await anyio.sleep(7 * scale)
         assert not holders.kinds("reclaimed")
         assert (await limiter.stats()).active == 1
         await wait_until(lambda: bool(holders.released()))
@@ -479,4 +479,4 @@ def test_a_body_left_unread_gives_its_slot_back_after_the_idle_bound_on_a_mock_c
 def test_a_body_left_unread_gives_its_slot_back_after_the_idle_bound_on_asyncio(
     stack: str,
 ) -> None:
-    anyio.run(idle_scenario, stack, 0.05, backend="asyncio")
+    anyio.run(idle_scenario, stack, 0.1, backend="asyncio")

@@ -114,7 +114,7 @@ async def run_schedule(limit: int, plan: list[tuple[str, int, float, float]], sc
 
     # Longer than any pause of a body that is being read: only a response left unread idles.
     transport = slotwise.httpx.transport(
-        httpx2.MockTransport(handler), limiter=limiter, idle_timeout=1.0 * scale
+        httpx2.MockTransport(handler), limiter=limiter, idle_timeout=2.0 * scale
     )
     client = httpx2.AsyncClient(transport=transport, base_url="http://provider")
     unread: list[httpx2.Response] = []
