@@ -430,7 +430,11 @@ class _SlotTransport:
 
 
 def _outcome(exc: BaseException) -> Outcome:
-    return "cancelled" if isinstance(exc, anyio.get_cancelled_exc_class()) else "failed"
+    cancelled = anyio.get_cancelled_exc_class()
+    if isinstance(exc, BaseExceptionGroup):
+        # A cancelled task group (a trio nursery) raises a group made only of cancellations.
+        return "cancelled" if exc.split(cancelled)[1] is None else "failed"
+    return "cancelled" if isinstance(exc, cancelled) else "failed"
 
 
 class _Attempt:

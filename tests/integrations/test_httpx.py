@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
+import trio
 import trio.testing
 
 import slotwise
@@ -197,6 +198,34 @@ async def test_a_request_cancelled_while_sent_gives_its_slot_back(
             await c.post("/raw", json={}, headers={"x-fake-delay": "30"})
         assert [e.outcome for e in holders.released()] == ["cancelled"]
         assert (await limiter.stats()).active == 0
+
+
+@pytest.mark.parametrize("stack", STACKS)
+async def test_a_transport_cancelled_inside_a_task_group_reports_a_cancellation(
+    stack: str, anyio_backend_name: str
+) -> None:
+    """A trio nursery cancelled from outside raises a group made only of cancellations: that
+    is a cancellation, not a failure (asyncio's task groups raise the cancellation itself)."""
+    module = pytest.importorskip(stack)
+    limiter: MemoryLimiter[str] = MemoryLimiter(name="p", max_concurrent=1)
+    holders = Holders(limiter)
+
+    async def handler(request: Any) -> Any:
+        if anyio_backend_name == "trio":
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.sleep_forever)
+                await trio.sleep_forever()
+        else:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.sleep_forever)
+                await anyio.sleep_forever()
+        raise AssertionError("never answers")
+
+    transport = slotwise.httpx.transport(module.MockTransport(handler), limiter=limiter)
+    async with module.AsyncClient(transport=transport, base_url="http://mock") as c:
+        with anyio.move_on_after(0.05):
+            await c.get("/")
+    assert [e.outcome for e in holders.released()] == ["cancelled"]
 
 
 @pytest.mark.parametrize("stack", STACKS)
