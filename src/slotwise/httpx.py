@@ -576,6 +576,7 @@ class _IdleWatch:
                     due = (t if attempt.reading else attempt.last_read) + idle_timeout
                     if due <= t:
                         del self.attempts[attempt]
+                        attempt.reclaimed = True  # a read starting now raises ReadError
                         spawn(attempt.reclaim)
                     else:
                         alarm = min(alarm, due)
