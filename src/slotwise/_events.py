@@ -129,9 +129,11 @@ class ReleasedEvent(_Event):
 
 @attrs.frozen(kw_only=True)
 class ReclaimedEvent(_Event):
-    """The holder of a slot was garbage collected without giving it back, and slotwise gave it
-    back. ``source`` says what was abandoned: ``"unclosed-response"``, an HTTP response neither
-    read to its end nor closed. The ``released`` event (outcome ``"cancelled"``) follows."""
+    """The holder of a slot was abandoned without giving it back (garbage collected, or left
+    unread past its idle bound), and slotwise gave it back. ``source`` says what was abandoned:
+    ``"unclosed-response"``, an HTTP response neither read to its end nor closed. The
+    ``released`` event (outcome ``"cancelled"``, or ``"failed"`` for an error response)
+    follows."""
 
     kind: Literal["reclaimed"] = "reclaimed"
     lease_id: str

@@ -295,7 +295,7 @@ class _Metrics(_Recorder):
         self._reclaimed = meter.create_counter(
             "slotwise.slot.reclaimed",
             unit="{slot}",
-            description="Slots given back by the garbage collector: their holder was abandoned.",
+            description="Slots taken back from an abandoned holder (collected, or left unread).",
         )
         self._errors = meter.create_counter(
             "slotwise.limiter.errors",

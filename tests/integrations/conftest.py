@@ -12,6 +12,9 @@ Request headers steer it:
 - ``x-fake-429``: answer 429 with ``Retry-After`` to the attempts whose
   ``x-stainless-retry-count`` is below this number.
 
+A path that starts with ``/redirect`` is answered with a 307 to the same path without that
+prefix (which keeps the method and the body).
+
 The server runs on its own event loop in a thread, so it serves asyncio and trio tests alike.
 """
 
@@ -46,6 +49,7 @@ class FakeProvider:
         self.max_active = 0
         self.requests = 0
         self.rate_limited = 0
+        self.redirects = 0
         self.disconnects = 0
         self.authorizations: list[str] = []
         self.bodies: list[bytes] = []
@@ -105,6 +109,12 @@ class FakeProvider:
             return not disconnected.is_set()
 
         if not await pause():
+            return
+        if path.startswith("/redirect/"):
+            self.redirects += 1
+            finish()
+            location = path.removeprefix("/redirect").encode()
+            await _respond(send, 307, {}, ((b"location", location),))
             return
         if int(headers.get("x-stainless-retry-count", "0")) < int(headers.get("x-fake-429", "0")):
             self.rate_limited += 1

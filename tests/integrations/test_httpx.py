@@ -9,13 +9,17 @@ import gc
 import logging
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
+import trio
+import trio.testing
 
 import slotwise
 import slotwise.httpx
-from slotwise import MemoryLimiter
+from slotwise import ConcurrencyEvent, MemoryLimiter
 
 from ._helpers import Holders, closes_early, wait_until
 from .conftest import FakeProvider
@@ -197,6 +201,34 @@ async def test_a_request_cancelled_while_sent_gives_its_slot_back(
 
 
 @pytest.mark.parametrize("stack", STACKS)
+async def test_a_transport_cancelled_inside_a_task_group_reports_a_cancellation(
+    stack: str, anyio_backend_name: str
+) -> None:
+    """A trio nursery cancelled from outside raises a group made only of cancellations: that
+    is a cancellation, not a failure (asyncio's task groups raise the cancellation itself)."""
+    module = pytest.importorskip(stack)
+    limiter: MemoryLimiter[str] = MemoryLimiter(name="p", max_concurrent=1)
+    holders = Holders(limiter)
+
+    async def handler(request: Any) -> Any:
+        if anyio_backend_name == "trio":
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.sleep_forever)
+                await trio.sleep_forever()
+        else:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.sleep_forever)
+                await anyio.sleep_forever()
+        raise AssertionError("never answers")
+
+    transport = slotwise.httpx.transport(module.MockTransport(handler), limiter=limiter)
+    async with module.AsyncClient(transport=transport, base_url="http://mock") as c:
+        with anyio.move_on_after(0.05):
+            await c.get("/")
+    assert [e.outcome for e in holders.released()] == ["cancelled"]
+
+
+@pytest.mark.parametrize("stack", STACKS)
 async def test_a_full_queue_reaches_the_caller_unchanged(
     provider: FakeProvider, stack: str
 ) -> None:
@@ -290,3 +322,190 @@ async def test_a_response_already_in_memory_gives_its_slot_back_at_once(stack: s
         assert (await limiter.stats()).active == 0
         assert (await c.get("/")).json() == {"mocked": True}
     assert [e.outcome for e in holders.released()] == ["completed", "completed"]
+
+
+@pytest.mark.parametrize("stack", STACKS)
+async def test_an_error_response_closed_unread_is_failed(
+    provider: FakeProvider, stack: str
+) -> None:
+    """As when its body is read: the attempt failed, however its body ends."""
+    limiter: MemoryLimiter[str] = MemoryLimiter(name="p", max_concurrent=1)
+    holders = Holders(limiter)
+    async with slotwise.httpx.client(limiter=limiter, stack=stack, base_url=provider.url) as c:  # type: ignore[call-overload]
+        async with c.stream("POST", "/raw", json={}, headers={"x-fake-429": "1"}) as response:
+            assert response.status_code == 429
+        assert (await c.post("/raw", json={}, headers={"x-fake-429": "1"})).status_code == 429
+    assert [e.outcome for e in holders.released()] == ["failed", "failed"]
+
+
+def test_a_missing_stack_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "httpx2", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'slotwise\[httpx\]'"):
+        slotwise.httpx.client()
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install httpx$"):
+        slotwise.httpx.client(stack="httpx")
+
+
+def test_idle_timeout_is_a_positive_number_of_seconds_or_none() -> None:
+    import httpx2
+
+    mock = httpx2.MockTransport(lambda request: httpx2.Response(200))
+    for bad in (0, -1.0, float("nan"), "60", True):
+        with pytest.raises(slotwise.ConcurrencyConfigError, match="idle_timeout"):
+            slotwise.httpx.transport(mock, idle_timeout=bad)  # type: ignore[arg-type]
+    slotwise.httpx.transport(mock, idle_timeout=None)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+async def test_the_client_pools_and_redirects_as_the_sdks_do(
+    provider: FakeProvider, stack: str
+) -> None:
+    """1000 connections (httpx's own default is 100) and redirects followed, as in the SDKs'
+    `DefaultAsyncHttpxClient`: a limiter above 100 is not capped by the pool."""
+    limiter: MemoryLimiter[str] = MemoryLimiter(name="p", max_concurrent=150)
+    holders = Holders(limiter)
+    async with slotwise.httpx.client(limiter=limiter, stack=stack, base_url=provider.url) as c:  # type: ignore[call-overload]
+
+        async def one() -> None:
+            await c.post("/raw", json={}, headers={"x-fake-delay": "2.0"})
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(150):
+                tg.start_soon(one)
+        assert provider.max_active > 100
+        response = await c.post("/redirect/raw", json={})
+        assert response.json() == {"ok": True}
+    assert provider.redirects == 1
+    assert len(holders.released()) == 152
+
+
+@pytest.mark.parametrize("stack", STACKS)
+async def test_a_request_waits_for_a_pool_connection_without_a_slot(
+    provider: FakeProvider, stack: str
+) -> None:
+    """The pool's timeout bounds that wait, as it bounds the pool's own."""
+    module = pytest.importorskip(stack)
+    limiter: MemoryLimiter[str] = MemoryLimiter(name="p", max_concurrent=4)
+    holders = Holders(limiter)
+    c = slotwise.httpx.client(  # type: ignore[call-overload]
+        limiter=limiter,
+        stack=stack,
+        base_url=provider.url,
+        limits=module.Limits(max_connections=1),
+        timeout=module.Timeout(5.0, pool=0.2),
+    )
+    async with c, anyio.create_task_group() as tg:
+        tg.start_soon(lambda: c.post("/raw", json={}, headers={"x-fake-delay": "1.0"}))
+        await wait_until(lambda: provider.active == 1)
+        with pytest.raises(module.PoolTimeout):
+            await c.post("/raw", json={})
+        assert (await limiter.stats()).active == 1
+    assert len(holders.kinds("acquired")) == 1
+    assert provider.requests == 1
+
+
+@pytest.mark.parametrize("stack", STACKS)
+async def test_a_client_wrapped_twice_takes_both_slots_once_a_connection_is_free(
+    provider: FakeProvider, stack: str
+) -> None:
+    module = pytest.importorskip(stack)
+    per_key: MemoryLimiter[str] = MemoryLimiter(name="key", max_concurrent=4)
+    overall: MemoryLimiter[str] = MemoryLimiter(name="all", max_concurrent=4)
+    holders = Holders(per_key), Holders(overall)
+    c = module.AsyncClient(base_url=provider.url, limits=module.Limits(max_connections=1))
+    slotwise.httpx.wrap(slotwise.httpx.wrap(c, limiter=per_key), limiter=overall)
+
+    async def one() -> None:
+        await c.post("/raw", json={}, headers={"x-fake-delay": "0.1"})
+
+    async with c, anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(one)
+    assert provider.requests == 3
+    assert [h.max_held for h in holders] == [1, 1]
+    assert [len(h.released()) for h in holders] == [3, 3]
+
+
+def endless_body(module: Any, pauses: list[float]) -> Any:
+    """A response body whose chunks come after ``pauses``, then never again."""
+
+    class Body(module.AsyncByteStream):  # type: ignore[misc]
+        closed = False
+
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            for pause in pauses:
+                await anyio.sleep(pause)
+                yield b"x"
+            await anyio.sleep_forever()
+
+        async def aclose(self) -> None:
+            self.closed = True
+
+    return Body()
+
+
+async def idle_scenario(stack: str, scale: float) -> None:
+    """With ``idle_timeout=10``: a body read every 6 keeps its slot, and so does one whose
+    next chunk takes the server 15 to send (a read is in progress); left unread for 10, it
+    is closed and its slot given back, and reading it again raises ``ReadError``."""
+    module = pytest.importorskip(stack)
+    limiter: MemoryLimiter[str] = MemoryLimiter(name="p", max_concurrent=1)
+    holders = Holders(limiter)
+    reclaimed_at: list[float] = []
+
+    def on_event(event: ConcurrencyEvent) -> None:
+        if event.kind == "reclaimed":
+            reclaimed_at.append(anyio.current_time())
+
+    limiter.subscribe(on_event)
+    body = endless_body(module, [0, 0, 15 * scale])
+    mock = module.MockTransport(
+        lambda request: module.Response(200, stream=body if request.url.path == "/" else None)
+    )
+    transport = slotwise.httpx.transport(mock, limiter=limiter, idle_timeout=10 * scale)
+    async with module.AsyncClient(transport=transport, base_url="http://provider") as c:
+        response = await c.send(c.build_request("GET", "/"), stream=True)
+        chunks = response.aiter_raw()
+        await chunks.__anext__()
+        await anyio.sleep(6 * scale)
+        await chunks.__anext__()
+        await anyio.sleep(6 * scale)  # 12 since the first read, 6 since the last: held
+        assert not holders.kinds("reclaimed")
+        await chunks.__anext__()  # the server takes 15: never idle while a read waits
+        last_read = anyio.current_time()
+        await anyio.sleep(7 * scale)
+        assert not holders.kinds("reclaimed")
+        assert (await limiter.stats()).active == 1
+        await wait_until(lambda: bool(holders.released()))
+        assert 10 * scale <= reclaimed_at[0] - last_read < 10 * scale + 0.5
+        assert [e.kind for e in holders.kinds("reclaimed", "released")] == ["reclaimed", "released"]
+        assert holders.released()[0].outcome == "cancelled"
+        assert body.closed
+        with pytest.raises(module.ReadError, match="idle_timeout"):
+            await chunks.__anext__()
+        await response.aclose()
+        assert (await c.get("/next")).status_code == 200  # the only slot is free again
+    assert len(holders.released()) == 2
+
+
+@closes_early
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_body_left_unread_gives_its_slot_back_after_the_idle_bound_on_a_mock_clock(
+    stack: str,
+) -> None:
+    anyio.run(
+        idle_scenario,
+        stack,
+        1.0,
+        backend="trio",
+        backend_options={"clock": trio.testing.MockClock(autojump_threshold=0)},
+    )
+
+
+@closes_early
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_body_left_unread_gives_its_slot_back_after_the_idle_bound_on_asyncio(
+    stack: str,
+) -> None:
+    anyio.run(idle_scenario, stack, 0.1, backend="asyncio")

@@ -2,8 +2,9 @@
 
 Each example sends requests through an httpx2 client whose mock transport streams bodies
 slowly, and does something different with each response: reads it, closes it early in the
-same task or from another one, abandons it to the garbage collector, cancels the request while
-it waits or while it reads, or lets sending fail. Throughout, the bodies being served at once
+same task or from another one, abandons it to the garbage collector, keeps it but never reads
+it (the idle bound takes its slot back), cancels the request while it waits or while it
+reads, or lets sending fail. Throughout, the bodies being served at once
 never outnumber the slots; at the end every slot has been given back exactly once.
 
 The examples run on trio's MockClock (virtual time) and, fewer, on asyncio with real time.
@@ -32,6 +33,7 @@ ACTIONS = (
     "close-early",
     "close-from-another-task",
     "abandon",
+    "leave-unread",
     "cancel-while-waiting",
     "cancel-while-reading",
     "send-fails",
@@ -110,8 +112,12 @@ async def run_schedule(limit: int, plan: list[tuple[str, int, float, float]], sc
         body = SlowBody(served, int(request.headers["x-chunks"]), pause)
         return httpx2.Response(200, stream=body)
 
-    transport = slotwise.httpx.transport(httpx2.MockTransport(handler), limiter=limiter)
+    # Longer than any pause of a body that is being read: only a response left unread idles.
+    transport = slotwise.httpx.transport(
+        httpx2.MockTransport(handler), limiter=limiter, idle_timeout=2.0 * scale
+    )
     client = httpx2.AsyncClient(transport=transport, base_url="http://provider")
+    unread: list[httpx2.Response] = []
 
     async def one(action: str, chunks: int, pause: float, start: float) -> None:
         await anyio.sleep(start * scale)
@@ -145,6 +151,8 @@ async def run_schedule(limit: int, plan: list[tuple[str, int, float, float]], sc
         elif action == "abandon":
             del response, request
             gc.collect()  # the slot comes back soon after, from the collector's finalizer
+        elif action == "leave-unread":
+            unread.append(response)  # the idle bound takes its slot back
 
     # A slot that never came back would leave requests waiting forever: fail instead.
     with anyio.fail_after(60):
@@ -156,13 +164,18 @@ async def run_schedule(limit: int, plan: list[tuple[str, int, float, float]], sc
     with anyio.fail_after(30):
         while (await limiter.stats()).active:  # noqa: ASYNC110  (the collector frees them)
             await anyio.sleep(0.001)
+    assert served.now == 0  # reclaimed bodies were closed before their slots went back
+    for response in unread:
+        await response.aclose()
     await client.aclose()
     unsubscribe()
-    assert served.now == 0
+    reclaimed = [e.lease_id for e in events if e.kind == "reclaimed"]
+    assert len(reclaimed) >= len(unread)
     acquired = [e.lease_id for e in events if e.kind == "acquired"]
     released = [e.lease_id for e in events if e.kind == "released"]
     assert sorted(acquired) == sorted(released)
     assert len(set(released)) == len(released)
+    assert set(reclaimed) <= set(released)
 
 
 @closes_early

@@ -8,13 +8,14 @@ generators are reported as ResourceWarnings, which these tests accept (see ``clo
 from __future__ import annotations
 
 import gc
+import pickle
 from typing import Any
 
 import anyio
 import pytest
 
 import slotwise.httpx
-from slotwise import MemoryLimiter
+from slotwise import AcquireRequest, Lease, MemoryLimiter, Workload
 
 from ._helpers import Holders, closes_early, wait_until
 from .conftest import FakeProvider
@@ -30,9 +31,20 @@ KEY = "sk-test-secret-key-0123456789"
 class Sdk:
     """One SDK client over one HTTP stack, with the two calls the tests make."""
 
-    def __init__(self, name: str, stack: str, url: str, limiter: Any, **options: Any) -> None:
+    def __init__(
+        self,
+        name: str,
+        stack: str,
+        url: str,
+        limiter: Any,
+        *,
+        http: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        """``http`` holds keywords for ``slotwise.httpx.client()``, ``options`` the SDK's."""
         self.name = name
-        http_client = slotwise.httpx.client(limiter=limiter, stack=stack)  # type: ignore[call-overload]
+        http_client = slotwise.httpx.client(limiter=limiter, stack=stack, **(http or {}))  # type: ignore[call-overload]
+        self.error = openai.OpenAIError if name == "openai" else anthropic.AnthropicError
         if name == "openai":
             self.client = openai.AsyncOpenAI(
                 api_key=KEY, base_url=f"{url}/v1", http_client=http_client, **options
@@ -185,28 +197,73 @@ async def test_a_429_that_is_not_retried_still_gives_its_slot_back(
     await sdk.aclose()
 
 
-async def test_slot_errors_reach_the_caller(
-    provider: FakeProvider, sdk_stack: tuple[str, str]
+class FailingLimiter:
+    """A custom limiter whose storage is down: every acquire fails."""
+
+    name = "failing"
+
+    def __init__(self) -> None:
+        self.acquires = 0
+
+    async def acquire(self, request: AcquireRequest) -> Lease:
+        self.acquires += 1
+        raise ConnectionRefusedError("the limiter's database is down")
+
+    async def renew(self, lease: Lease) -> Lease | None:
+        return lease
+
+    async def release(self, lease: Lease) -> None:
+        pass
+
+
+@pytest.mark.parametrize("failure", ["timeout", "queue-full", "limiter-error"])
+async def test_a_slot_error_fails_the_call_once_promptly_as_slotwises_own(
+    provider: FakeProvider, sdk_stack: tuple[str, str], failure: str
 ) -> None:
-    """openai passes slotwise's errors through unchanged; anthropic wraps every error of its
-    HTTP client in APIConnectionError, retries it, and keeps slotwise's as the cause."""
-    limiter: MemoryLimiter[str] = MemoryLimiter(name="provider", max_concurrent=1, max_queued=0)
-    holders = Holders(limiter)
-    sdk = Sdk(*sdk_stack, provider.url, limiter, max_retries=1)
-    held = await slotwise.acquire(limiter=limiter)
-    with pytest.raises(
-        (slotwise.ConcurrencyQueueFullError, anthropic.APIConnectionError)
-    ) as caught:
-        await sdk.call()
-    await held.release()
-    if sdk.name == "openai":
-        assert isinstance(caught.value, slotwise.ConcurrencyQueueFullError)
-        assert len(holders.kinds("queue-full")) == 1
+    """Neither SDK wraps nor retries slotwise's errors: with the SDKs' default two retries,
+    a slot timeout would otherwise wait three times, plus the backoff sleeps between."""
+    limiter: Any
+    if failure == "limiter-error":
+        limiter = FailingLimiter()
     else:
-        assert isinstance(caught.value, anthropic.APIConnectionError)
-        assert isinstance(caught.value.__cause__, slotwise.ConcurrencyQueueFullError)
-        assert len(holders.kinds("queue-full")) == 2
+        limiter = MemoryLimiter(
+            name="provider",
+            max_concurrent=1,
+            max_queued=0 if failure == "queue-full" else None,
+            workloads={"default": Workload(max_wait=0.1)},
+        )
+    holders = Holders(limiter)
+    sdk = Sdk(*sdk_stack, provider.url, limiter, max_retries=2)
+    held = None if failure == "limiter-error" else await slotwise.acquire(limiter=limiter)
+    expected = {
+        "timeout": slotwise.ConcurrencyTimeoutError,
+        "queue-full": slotwise.ConcurrencyQueueFullError,
+        "limiter-error": slotwise.ConcurrencyLimiterError,
+    }[failure]
+    started = anyio.current_time()
+    with pytest.raises(expected) as caught:
+        await sdk.call()
+    elapsed = anyio.current_time() - started
+    if held is not None:
+        await held.release()
+    error = caught.value
+    # One attempt, one wait: a retry would add the SDK's backoff (at least 0.375 s) and a wait,
+    # two retries about 1.5 s.
+    kind = {"timeout": "timed-out", "queue-full": "queue-full"}.get(failure, "limiter-error")
+    assert len(holders.kinds(kind)) == 1
+    assert len(holders.kinds("wait-started")) == 1 + (held is not None)
+    assert elapsed < 1.0
     assert provider.requests == 0
+    # The SDK's own catch-all catches it too; slotwise's fields and cause are intact.
+    assert isinstance(error, sdk.error)
+    assert error.limiter == limiter.name
+    if failure == "limiter-error":
+        assert limiter.acquires == 1
+        assert isinstance(error.__cause__, ConnectionRefusedError)
+    # It pickles as slotwise's plain class (the other side may not have the SDK).
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is expected
+    assert (str(copy), copy.workload) == (str(error), error.workload)
     await sdk.aclose()
 
 
@@ -257,3 +314,129 @@ async def test_openai_with_the_sdks_default_client_wrapped(provider: FakeProvide
     assert result.choices[0].message.content == "ok"
     assert len(holders.released()) == 1
     await client.close()
+
+
+async def abandon_a_stream(sdk: Sdk) -> None:
+    """Read one event of a long stream, then leave it unclosed: only the SDK's own reference
+    cycles keep it (and its slot) alive when this returns."""
+    stream = await sdk.call(stream=True, headers={"x-fake-chunks": "1000", "x-fake-delay": "0.01"})
+    async for _ in stream:
+        break
+
+
+async def test_an_abandoned_stream_gives_its_slot_back_within_the_idle_bound(
+    provider: FakeProvider, sdk_stack: tuple[str, str]
+) -> None:
+    """Without any garbage collection. openai's stream forms reference cycles, which only the
+    cyclic collector frees (and an idle loop rarely triggers it): the idle bound gives its slot
+    back. anthropic's closes itself when its generator is dropped, at once on asyncio; on trio,
+    whose finalizer keeps a dropped generator alive until a collection, the bound does."""
+    limiter: MemoryLimiter[str] = MemoryLimiter(
+        name="provider", max_concurrent=1, workloads={"default": Workload(max_wait=5.0)}
+    )
+    holders = Holders(limiter)
+    sdk = Sdk(*sdk_stack, provider.url, limiter, http={"idle_timeout": 0.5})
+    gc.disable()
+    try:
+        await abandon_a_stream(sdk)
+        started = anyio.current_time()
+        assert sdk.text(await sdk.call()) == "ok"
+        waited = anyio.current_time() - started
+    finally:
+        gc.enable()
+    assert (await limiter.stats()).active == 0
+    assert [e.outcome for e in holders.released()] == ["cancelled", "completed"]
+    ended = [e.kind for e in holders.kinds("reclaimed", "released")]
+    if sdk.name == "openai" or ended[0] == "reclaimed":
+        assert ended == ["reclaimed", "released", "released"]
+        assert 0.4 <= waited < 4.0  # the bound, not the collector: no sooner than 0.5 s idle
+    else:
+        assert ended == ["released", "released"]
+        assert waited < 0.4
+    # The abandoned body was closed: the server saw the client go.
+    await wait_until(lambda: provider.disconnects >= 1)
+    await sdk.aclose()
+    gc.collect()
+
+
+async def test_a_slow_reader_keeps_its_stream_within_the_idle_bound(
+    provider: FakeProvider, sdk_stack: tuple[str, str]
+) -> None:
+    limiter: MemoryLimiter[str] = MemoryLimiter(name="provider", max_concurrent=1)
+    holders = Holders(limiter)
+    sdk = Sdk(*sdk_stack, provider.url, limiter, http={"idle_timeout": 1.0})
+    stream = await sdk.call(stream=True, headers={"x-fake-chunks": "2", "x-fake-delay": "0.01"})
+    events = 0
+    async with stream:
+        async for _ in stream:
+            events += 1
+            await anyio.sleep(0.25)  # work between events, well within the bound
+    assert events >= 2
+    assert not holders.kinds("reclaimed")
+    assert [e.outcome for e in holders.released()] == ["completed"]
+    await sdk.aclose()
+
+
+async def test_a_429_before_a_stream_is_a_failed_attempt(
+    provider: FakeProvider, sdk_stack: tuple[str, str]
+) -> None:
+    """The SDK closes the 429 unread before it retries; the attempt failed all the same, as
+    the same 429 on a plain call does."""
+    limiter: MemoryLimiter[str] = MemoryLimiter(name="provider", max_concurrent=1)
+    holders = Holders(limiter)
+    sdk = Sdk(*sdk_stack, provider.url, limiter, max_retries=1)
+    stream = await sdk.call(stream=True, headers={"x-fake-429": "1"})
+    async with stream:
+        async for _ in stream:
+            pass
+    assert provider.rate_limited == 1
+    assert [e.outcome for e in holders.released()] == ["failed", "completed"]
+    await sdk.aclose()
+
+
+async def test_a_redirect_is_followed_one_slot_per_hop(
+    provider: FakeProvider, sdk_stack: tuple[str, str]
+) -> None:
+    """``client()`` follows redirects, as the SDKs' own clients do."""
+    limiter: MemoryLimiter[str] = MemoryLimiter(name="provider", max_concurrent=1)
+    holders = Holders(limiter)
+    sdk = Sdk(*sdk_stack, f"{provider.url}/redirect", limiter)
+    assert sdk.text(await sdk.call()) == "ok"
+    assert provider.redirects == 1
+    assert [e.kind for e in holders.kinds("acquired", "released")] == ["acquired", "released"] * 2
+    assert [e.outcome for e in holders.released()] == ["completed", "completed"]
+    await sdk.aclose()
+
+
+async def test_a_call_waiting_for_a_pool_connection_holds_no_slot(
+    provider: FakeProvider, sdk_stack: tuple[str, str]
+) -> None:
+    """Four calls through a one-connection pool hold one slot, not four: another client
+    sharing the limiter is served meanwhile instead of waiting with the server idle."""
+    limiter: MemoryLimiter[str] = MemoryLimiter(
+        name="provider",
+        max_concurrent=4,
+        workloads={"narrow": Workload(), "other": Workload(max_wait=0)},
+        default_workload="narrow",
+    )
+    holders = Holders(limiter)
+    module = pytest.importorskip(sdk_stack[1])
+    narrow = Sdk(
+        *sdk_stack, provider.url, limiter, http={"limits": module.Limits(max_connections=1)}
+    )
+    other = Sdk(*sdk_stack, provider.url, limiter, http={"workload": "other"})
+
+    async def slow_call() -> None:
+        await narrow.call(headers={"x-fake-delay": "0.3"})
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(4):
+            tg.start_soon(slow_call)
+        await wait_until(lambda: provider.active == 1)
+        await anyio.sleep(0.1)  # the other three calls reach the pool
+        assert (await limiter.stats()).active <= 1
+        assert other.text(await other.call()) == "ok"  # max_wait=0: a free slot or an error
+    assert provider.requests == 5
+    assert holders.max_held <= 2
+    await narrow.aclose()
+    await other.aclose()

@@ -32,6 +32,8 @@ __all__ = (
     "Waker",
     "current",
     "later",
+    "loop_identity",
+    "now",
     "require",
     "spawn",
     "trio_running",
@@ -317,6 +319,16 @@ def current() -> Loop | None:
         cache.loop = AsyncioLoop(running)
         cache.key = running
     return cache.loop
+
+
+def now() -> float:
+    """The running loop's clock, as ``anyio.current_time()`` reads it."""
+    return require().now()
+
+
+def loop_identity() -> object:
+    """An object that identifies the running event loop for as long as it runs."""
+    return require().identity
 
 
 def trio_running() -> bool:
