@@ -21,10 +21,11 @@ class AcquireRequest:
         run_id: The run making the request, None outside a run.
         root_run_id: The root of that run's tree.
         parent_run_id: The run's parent.
-        deadline: When the request must stop waiting, on ``anyio.current_time()``'s clock,
-            from the run's budget; None for no budget. The limiter waits until the earlier of
-            this and its workload's ``max_wait``, then raises ``ConcurrencyTimeoutError``; a
-            deadline already past means "take a free slot or fail now".
+        deadline: When the request must stop waiting, on ``anyio.current_time()``'s clock
+            of the calling event loop, from the run's budget; None for no budget. The
+            limiter waits until the earlier of this and its workload's ``max_wait``, then
+            raises ``ConcurrencyTimeoutError``; a deadline already past means "take a free
+            slot or fail now".
     """
 
     workload: str
@@ -52,8 +53,8 @@ class Lease:
     Attributes:
         lease_id: Never reused by the limiter that issued it.
         workload: The workload it counts against.
-        expires_at: On the limiter's clock (``anyio.current_time()`` for MemoryLimiter, the
-            database clock for PostgresLimiter).
+        expires_at: On the limiter's clock (``time.monotonic()`` for MemoryLimiter, or a
+            trio ``MockClock`` in tests; the database clock for PostgresLimiter).
     """
 
     lease_id: str
@@ -70,14 +71,17 @@ class Limiter(Protocol):
     slot granted as the caller is cancelled must be given back). Two optional members are
     used when present: ``validate_workload(name: str | None) -> str`` resolves the default
     and raises ``ConcurrencyConfigError`` for an unknown name; ``async stats()`` returns
-    :class:`slotwise.LimiterStats`. A ``lease_ttl`` attribute (seconds) sets how often the
-    runtime renews (a third of it; 30 s when absent). A limiter that can give a slot back
-    without awaiting may offer ``release_nowait(lease)``, which the runtime then calls instead
-    of ``release`` (saving a shielded cancel scope per slot), and likewise
-    ``renew_nowait(lease)`` instead of ``renew`` (saving a task per renewal). Two more optional
-    members inform the runtime and ``slotwise.opentelemetry``: ``workloads``, a mapping of
-    names to objects with ``max_wait``, ``max_concurrent`` and ``reserved`` (the
-    ``wait-started`` deadline and the limit metrics), and ``max_concurrent``.
+    `slotwise.LimiterStats`. A ``lease_ttl`` attribute (seconds) sets how often the runtime
+    renews (a third of it; 30 s when absent). Two more optional members inform the runtime
+    and `slotwise.opentelemetry`: ``workloads``, a mapping of names to objects with
+    ``max_wait``, ``max_concurrent`` and ``reserved`` (the ``wait-started`` deadline and the
+    limit metrics), and ``max_concurrent``.
+
+    Fast paths a limiter's class may define (looked up on the class, never on the instance,
+    so a wrapper that forwards attributes with ``__getattr__`` still has its own ``renew``
+    and ``release`` called): ``release_nowait(lease)``, which the runtime then calls instead
+    of ``release`` (no shielded scope per slot, and `Slot.release_sync` works), and
+    ``renew_nowait(lease)`` instead of ``renew`` (no task per renewal).
     """
 
     @property
