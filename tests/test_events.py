@@ -24,8 +24,10 @@ from slotwise import (
     ConfigErrorEvent,
     Lease,
     LeaseLostEvent,
+    LimitChangedEvent,
     LimiterErrorEvent,
     MemoryLimiter,
+    PausedEvent,
     QueueFullEvent,
     ReleasedEvent,
     ReleaseFailedEvent,
@@ -53,7 +55,7 @@ COMMON = {
 # The documented table of events: kind -> (class, extra fields).
 TABLE: dict[str, tuple[type[Any], set[str]]] = {
     "wait-started": (WaitStartedEvent, {"deadline"}),
-    "acquired": (AcquiredEvent, {"lease_id", "wait_time"}),
+    "acquired": (AcquiredEvent, {"lease_id", "wait_time", "waited_for"}),
     "timed-out": (TimedOutEvent, {"wait_time"}),
     "queue-full": (QueueFullEvent, {"wait_time"}),
     "wait-cancelled": (WaitCancelledEvent, {"wait_time"}),
@@ -63,6 +65,8 @@ TABLE: dict[str, tuple[type[Any], set[str]]] = {
     "renewal-failed": (RenewalFailedEvent, {"lease_id", "error"}),
     "lease-lost": (LeaseLostEvent, {"lease_id", "hold_time"}),
     "release-failed": (ReleaseFailedEvent, {"lease_id", "error"}),
+    "paused": (PausedEvent, {"until", "reason"}),
+    "limit-changed": (LimitChangedEvent, {"old", "new", "reason"}),
 }
 
 

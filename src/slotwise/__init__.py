@@ -10,6 +10,8 @@ Example:
 
 from contextlib import suppress as _suppress
 
+from ._config import Adaptive as Adaptive
+from ._config import Rate as Rate
 from ._config import Workload as Workload
 from ._errors import ConcurrencyConfigError as ConcurrencyConfigError
 from ._errors import ConcurrencyError as ConcurrencyError
@@ -22,8 +24,10 @@ from ._events import ConcurrencyEvent as ConcurrencyEvent
 from ._events import ConfigErrorEvent as ConfigErrorEvent
 from ._events import EventKind as EventKind
 from ._events import LeaseLostEvent as LeaseLostEvent
+from ._events import LimitChangedEvent as LimitChangedEvent
 from ._events import LimiterErrorEvent as LimiterErrorEvent
 from ._events import Outcome as Outcome
+from ._events import PausedEvent as PausedEvent
 from ._events import QueueFullEvent as QueueFullEvent
 from ._events import ReclaimedEvent as ReclaimedEvent
 from ._events import ReleasedEvent as ReleasedEvent
@@ -47,6 +51,7 @@ from ._runtime.runs import Run as Run
 from ._runtime.runs import RunContext as RunContext
 from ._runtime.runs import current_run as current_run
 from ._runtime.runs import run as run
+from ._stats import BucketStats as BucketStats
 from ._stats import LimiterStats as LimiterStats
 from ._stats import WorkloadStats as WorkloadStats
 from .memory import MemoryLimiter as MemoryLimiter
@@ -56,6 +61,8 @@ __version__ = "0.1.0.dev0"
 __all__ = (
     "AcquireRequest",
     "AcquiredEvent",
+    "Adaptive",
+    "BucketStats",
     "ConcurrencyConfigError",
     "ConcurrencyError",
     "ConcurrencyEvent",
@@ -67,12 +74,15 @@ __all__ = (
     "EventKind",
     "Lease",
     "LeaseLostEvent",
+    "LimitChangedEvent",
     "Limiter",
     "LimiterErrorEvent",
     "LimiterStats",
     "MemoryLimiter",
     "Outcome",
+    "PausedEvent",
     "QueueFullEvent",
+    "Rate",
     "ReclaimedEvent",
     "ReleaseFailedEvent",
     "ReleasedEvent",

@@ -8,7 +8,7 @@ from ._config import Settings, Workload, resolve_workload
 from ._events import ConcurrencyEvent
 from ._runtime import dispatch
 from ._runtime.lifecycle import SlotContext, SyncSlotContext, slot, sync_slot
-from ._stats import LimiterStats, WorkloadStats
+from ._stats import BucketStats, LimiterStats, WorkloadStats
 
 __all__ = ("BuiltinLimiter",)
 
@@ -60,22 +60,39 @@ class BuiltinLimiter(Generic[W]):
         """
         return resolve_workload(self._settings, workload)
 
-    def slot(self, workload: W | None = None, *, allow_nested: bool = False) -> SlotContext[W]:
-        """``async with limiter.slot(workload=...)``: :func:`slotwise.slot` with this limiter."""
-        return slot(workload, limiter=self, allow_nested=allow_nested)
+    def slot(
+        self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
+    ) -> SlotContext[W]:
+        """`async with limiter.slot(workload=...)`: `slotwise.slot` with this limiter."""
+        return slot(workload, limiter=self, tokens=tokens, allow_nested=allow_nested)
 
     def sync_slot(
-        self, workload: W | None = None, *, timeout: float | None = None, allow_nested: bool = False
+        self,
+        workload: W | None = None,
+        *,
+        timeout: float | None = None,
+        tokens: int | None = None,
+        allow_nested: bool = False,
     ) -> SyncSlotContext[W]:
         """`with limiter.sync_slot(workload=...)`: `slotwise.sync_slot` with this limiter,
         for code with no event loop (a thread, a sync SDK client)."""
-        return sync_slot(workload, limiter=self, timeout=timeout, allow_nested=allow_nested)
+        return sync_slot(
+            workload, limiter=self, timeout=timeout, tokens=tokens, allow_nested=allow_nested
+        )
 
     def subscribe(self, callback: Callable[[ConcurrencyEvent], object]) -> Callable[[], None]:
         """Receive every event of this limiter; returns the function that unsubscribes."""
         return dispatch.subscribe(callback, self)
 
-    def _stats(self, active: Mapping[str, int], queued: Mapping[str, int]) -> LimiterStats:
+    def _stats(
+        self,
+        active: Mapping[str, int],
+        queued: Mapping[str, int],
+        *,
+        effective: int | None = None,
+        paused_until: float | None = None,
+        buckets: Mapping[str, BucketStats] | None = None,
+    ) -> LimiterStats:
         rules = self._settings.rules
         return LimiterStats(
             active=sum(active.values()),
@@ -85,9 +102,12 @@ class BuiltinLimiter(Generic[W]):
                 name: WorkloadStats(
                     active=active.get(name, 0),
                     queued=queued.get(name, 0),
-                    max_concurrent=rule.ceiling,
-                    reserved=rule.reserved,
+                    max_concurrent=rules.workloads[name].ceiling if name in rules.workloads else 0,
+                    reserved=rules.workloads[name].reserved if name in rules.workloads else 0,
                 )
-                for name, rule in rules.workloads.items()
+                for name in {**rules.workloads, **active}
             },
+            effective_max_concurrent=rules.max_concurrent if effective is None else effective,
+            paused_until=paused_until,
+            buckets=buckets or {},
         )

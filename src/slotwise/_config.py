@@ -6,12 +6,15 @@ from typing import Any
 
 import attrs
 
+from ._core.rates import BucketRule, bucket_key
 from ._core.rules import Rules, WorkloadRule
 from ._errors import ConcurrencyConfigError, ConcurrencyTimeoutError
 
 __all__ = (
     "DEFAULT_LEASE_TTL",
     "DEFAULT_WORKLOAD",
+    "Adaptive",
+    "Rate",
     "Settings",
     "Workload",
     "build_settings",
@@ -22,6 +25,53 @@ __all__ = (
 
 DEFAULT_WORKLOAD = "default"
 DEFAULT_LEASE_TTL = 30.0
+
+
+@attrs.frozen(kw_only=True)
+class Rate:
+    """A rate limit: at most `requests` requests and `tokens` tokens per `per` seconds.
+
+    Each is a token bucket that starts full and refills continuously (`requests / per` a
+    second), as providers document their own limits: a burst of up to `requests` may start
+    at once, then requests go at the refill rate. On a limiter it is the provider account's
+    RPM and TPM; on a workload it is a ceiling inside the limiter's.
+
+    Attributes:
+        requests: Requests per `per` seconds; None: no request limit.
+        tokens: Tokens per `per` seconds (the estimates given to `slot(tokens=...)`,
+            corrected by `Slot.used_tokens()`); None: no token limit.
+        per: The period, in seconds (60: per minute).
+
+    Example:
+        ```python
+        Rate(requests=50, tokens=40_000)  # 50 RPM and 40k TPM
+        ```
+    """
+
+    requests: int | None = None
+    tokens: int | None = None
+    per: float = 60.0
+
+
+@attrs.frozen(kw_only=True)
+class Adaptive:
+    """An effective limit that follows the provider's pushback (AIMD).
+
+    On pushback (`Slot.throttled()`, or a 429, 529 or 503 seen by `slotwise.httpx`) the
+    effective `max_concurrent` is multiplied by `backoff` (at most once per round trip: a
+    burst of refusals of requests already in flight counts once); after as many successful
+    requests as the effective limit (one round trip), it climbs by one slot. It stays between
+    `min_concurrent` and the limiter's `max_concurrent`, and shrinking never revokes a held
+    slot: new grants wait until fewer are active than the new limit.
+
+    Attributes:
+        min_concurrent: The lowest effective limit; it must cover the reservations (the
+            shared capacity shrinks first).
+        backoff: The factor applied on pushback, between 0 and 1.
+    """
+
+    min_concurrent: int
+    backoff: float = 0.5
 
 
 @attrs.frozen(kw_only=True)
@@ -36,16 +86,24 @@ class Workload:
             interrupts a running request.
         max_wait: The longest a request waits for a slot, in seconds; None waits as long as
             the run's budget allows; 0 fails fast when no slot is free.
+        max_queued: Requests of this workload that may wait; the next one fails at once with
+            `ConcurrencyQueueFullError`, so a flood of one workload cannot fill the queue
+            another needs. None: only the limiter's `max_queued` applies.
+        rate: A rate limit of this workload, inside the limiter's (a ceiling, like its
+            `max_concurrent`).
 
     Example:
-        >>> Workload(reserved=2, priority=10, max_wait=60.0)
-        Workload(max_concurrent=None, reserved=2, priority=10, max_wait=60.0)
+        ```python
+        Workload(reserved=2, priority=10, max_wait=60.0)
+        ```
     """
 
     max_concurrent: int | None = None
     reserved: int = 0
     priority: int = 0
     max_wait: float | None = None
+    max_queued: int | None = None
+    rate: Rate | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -59,6 +117,8 @@ class Settings:
     workloads: Mapping[str, Workload]
     default_workload: str | None
     rules: Rules
+    rate: Rate | None = None
+    adaptive: Adaptive | None = None
 
 
 def _is_int(value: object) -> bool:
@@ -92,6 +152,22 @@ def seconds(
     return float(value)
 
 
+def _rate(setting: str, rate: object) -> dict[str, BucketRule]:
+    """Validate a `Rate`; its bucket rules by kind."""
+    if not isinstance(rate, Rate):
+        raise ConcurrencyConfigError(f"{setting} must be a slotwise.Rate, got {rate!r}")
+    per = seconds(f"{setting}.per", rate.per, finite=True)
+    rules: dict[str, BucketRule] = {}
+    for kind in ("requests", "tokens"):
+        value = getattr(rate, kind)
+        if value is not None:
+            capacity = _positive_int(f"{setting}.{kind}", value)
+            rules[kind] = BucketRule(kind=kind, capacity=capacity, per=per)
+    if not rules:
+        raise ConcurrencyConfigError(f"{setting} limits nothing: give requests, tokens or both")
+    return rules
+
+
 def build_settings(
     *,
     name: Any,
@@ -100,6 +176,8 @@ def build_settings(
     lease_ttl: Any,
     workloads: Any,
     default_workload: Any,
+    rate: Any = None,
+    adaptive: Any = None,
 ) -> Settings:
     """Validate a limiter's settings; raise ConcurrencyConfigError naming the bad setting."""
     if not isinstance(name, str) or not name.strip():
@@ -111,6 +189,9 @@ def build_settings(
         )
     # A lease that never expires would keep a dead holder's slot forever.
     lease_ttl = seconds("lease_ttl", lease_ttl, finite=True)
+    buckets: dict[str, BucketRule] = {}
+    limiter_rate = {} if rate is None else _rate("rate", rate)
+    buckets.update(limiter_rate)
     if workloads is None:
         workloads = {DEFAULT_WORKLOAD: Workload()}
     if not isinstance(workloads, Mapping) or not workloads:
@@ -150,8 +231,29 @@ def build_settings(
             )
         if workload.max_wait is not None:
             seconds(f"{where}.max_wait", workload.max_wait, allow_zero=True)
+        if workload.max_queued is not None and (
+            not _is_int(workload.max_queued) or workload.max_queued < 0
+        ):
+            raise ConcurrencyConfigError(
+                f"{where}.max_queued must be None or a non-negative integer, "
+                f"got {workload.max_queued!r}"
+            )
+        if workload.rate is not None:
+            for kind, bucket in _rate(f"{where}.rate", workload.rate).items():
+                above = limiter_rate.get(kind)
+                if above is not None and bucket.per_second > above.per_second:
+                    raise ConcurrencyConfigError(
+                        f"{where}.rate allows {bucket.capacity} {kind} per {bucket.per:g}s, "
+                        f"more than the limiter's rate ({above.capacity} per {above.per:g}s)"
+                    )
+                buckets[bucket_key(wname, kind)] = bucket
         checked[wname] = workload
-        rules[wname] = WorkloadRule(ceiling=ceiling, reserved=reserved, priority=workload.priority)
+        rules[wname] = WorkloadRule(
+            ceiling=ceiling,
+            reserved=reserved,
+            priority=workload.priority,
+            max_queued=workload.max_queued,
+        )
     total_reserved = sum(rule.reserved for rule in rules.values())
     if total_reserved > max_concurrent:
         raise ConcurrencyConfigError(
@@ -170,6 +272,24 @@ def build_settings(
         )
     else:
         default_workload = str(default_workload)
+    if adaptive is not None:
+        if not isinstance(adaptive, Adaptive):
+            raise ConcurrencyConfigError(f"adaptive must be a slotwise.Adaptive, got {adaptive!r}")
+        floor = _positive_int("adaptive.min_concurrent", adaptive.min_concurrent)
+        if floor > max_concurrent:
+            raise ConcurrencyConfigError(
+                f"adaptive.min_concurrent ({floor}) is above max_concurrent ({max_concurrent})"
+            )
+        if floor < total_reserved:
+            raise ConcurrencyConfigError(
+                f"adaptive.min_concurrent ({floor}) must cover the reservations "
+                f"({total_reserved} slots): the shared capacity shrinks first"
+            )
+        backoff = adaptive.backoff
+        if not isinstance(backoff, int | float) or isinstance(backoff, bool) or not 0 < backoff < 1:
+            raise ConcurrencyConfigError(
+                f"adaptive.backoff must be a number between 0 and 1, got {backoff!r}"
+            )
     return Settings(
         name=name,
         max_concurrent=max_concurrent,
@@ -177,7 +297,9 @@ def build_settings(
         lease_ttl=lease_ttl,
         workloads=checked,
         default_workload=default_workload,
-        rules=Rules(max_concurrent=max_concurrent, workloads=rules),
+        rules=Rules(max_concurrent=max_concurrent, workloads=rules, buckets=buckets),
+        rate=rate,
+        adaptive=adaptive,
     )
 
 

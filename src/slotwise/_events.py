@@ -14,8 +14,10 @@ __all__ = (
     "ConfigErrorEvent",
     "EventKind",
     "LeaseLostEvent",
+    "LimitChangedEvent",
     "LimiterErrorEvent",
     "Outcome",
+    "PausedEvent",
     "QueueFullEvent",
     "ReclaimedEvent",
     "ReleaseFailedEvent",
@@ -68,11 +70,14 @@ class WaitStartedEvent(_Event):
 
 @attrs.frozen(kw_only=True)
 class AcquiredEvent(_Event):
-    """A request got its slot after ``wait_time`` seconds."""
+    """A request got its slot after ``wait_time`` seconds. ``waited_for`` names what held it
+    back besides a free slot: rate buckets (``"requests"``, ``"tokens"``,
+    ``"<workload>.requests"``, ``"<workload>.tokens"``) and ``"pause"`` (provider pushback)."""
 
     kind: Literal["acquired"] = "acquired"
     lease_id: str
     wait_time: float
+    waited_for: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -238,6 +243,28 @@ class ToolRejectedEvent(_ToolEvent):
     reason: ToolRejection
 
 
+@attrs.frozen(kw_only=True)
+class PausedEvent(_Event):
+    """The provider pushed back (a 429, 529 or 503): the limiter grants nothing until
+    ``until`` (seconds since the epoch). ``reason`` says what paused it (the HTTP status,
+    or ``"throttled"``); the lineage is that of the refused request."""
+
+    kind: Literal["paused"] = "paused"
+    until: float
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class LimitChangedEvent(_Event):
+    """The limit in force (``max_concurrent``) went from ``old`` to ``new``: ``"pushback"``
+    and ``"recovered"`` for an adaptive limit, ``"set_limits"`` for a change by hand."""
+
+    kind: Literal["limit-changed"] = "limit-changed"
+    old: int
+    new: int
+    reason: str
+
+
 ConcurrencyEvent: TypeAlias = (
     WaitStartedEvent
     | AcquiredEvent
@@ -251,6 +278,8 @@ ConcurrencyEvent: TypeAlias = (
     | RenewalFailedEvent
     | LeaseLostEvent
     | ReleaseFailedEvent
+    | PausedEvent
+    | LimitChangedEvent
     | ToolStartedEvent
     | ToolFinishedEvent
     | ToolRejectedEvent
@@ -269,6 +298,8 @@ EventKind: TypeAlias = Literal[
     "renewal-failed",
     "lease-lost",
     "release-failed",
+    "paused",
+    "limit-changed",
     "tool-started",
     "tool-finished",
     "tool-rejected",

@@ -26,6 +26,8 @@ class AcquireRequest:
             limiter waits until the earlier of this and its workload's ``max_wait``, then
             raises ``ConcurrencyTimeoutError``; a deadline already past means "take a free
             slot or fail now".
+        tokens: The request's estimated tokens (0: none given), for a limiter with token
+            rate limits: charged when the slot is granted.
     """
 
     workload: str
@@ -34,6 +36,7 @@ class AcquireRequest:
     root_run_id: str | None = None
     parent_run_id: str | None = None
     deadline: float | None = None
+    tokens: int = 0
 
 
 class SupportsLease(Protocol):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -13,6 +14,8 @@ from typing import Any, TypeVar, final, overload
 from ._base import BuiltinLimiter
 from ._config import (
     DEFAULT_LEASE_TTL,
+    Adaptive,
+    Rate,
     Settings,
     Workload,
     build_settings,
@@ -21,15 +24,24 @@ from ._config import (
 )
 from ._core.state import LeaseRecord, LimiterState, Tether, Ticket, holds
 from ._errors import ConcurrencyConfigError
+from ._events import LimitChangedEvent
 from ._protocol import AcquireRequest, Lease, SupportsLease
+from ._runtime import dispatch
 from ._runtime.loop import Loop, ThreadWaker, Waker, require
-from ._stats import LimiterStats
+from ._stats import BucketStats, LimiterStats
 
 __all__ = ("MemoryLimiter",)
 
 W = TypeVar("W", bound=str)
 
 _logger = logging.getLogger("slotwise")
+
+
+class _Unset:
+    """The default of a `set_limits()` keyword that was not given (None is a value)."""
+
+
+_UNSET = _Unset()
 
 
 @final
@@ -93,6 +105,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
         lease_ttl: float = ...,
         workloads: None = ...,
         default_workload: str | None = ...,
+        rate: Rate | None = ...,
+        adaptive: Adaptive | None = ...,
     ) -> None: ...
 
     @overload
@@ -105,6 +119,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
         lease_ttl: float = ...,
         workloads: Mapping[W, Workload],
         default_workload: W | None = ...,
+        rate: Rate | None = ...,
+        adaptive: Adaptive | None = ...,
     ) -> None: ...
 
     def __init__(
@@ -116,6 +132,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
         lease_ttl: float = DEFAULT_LEASE_TTL,
         workloads: Mapping[W, Workload] | None = None,
         default_workload: str | None = None,
+        rate: Rate | None = None,
+        adaptive: Adaptive | None = None,
     ) -> None:
         self._settings: Settings = build_settings(
             name=name,
@@ -124,11 +142,14 @@ class MemoryLimiter(BuiltinLimiter[W]):
             lease_ttl=lease_ttl,
             workloads=workloads,
             default_workload=default_workload,
+            rate=rate,
+            adaptive=adaptive,
         )
         self._state = LimiterState(
             self._settings.rules,
             max_queued=self._settings.max_queued,
             lease_ttl=self._settings.lease_ttl,
+            adaptive=_aimd(self._settings),
         )
         # Every read and write of the state, from any thread, holds this lock; it is never
         # held across an await, and waiters are woken after it is released.
@@ -152,11 +173,110 @@ class MemoryLimiter(BuiltinLimiter[W]):
         """`stats()` without the `await`, for logs and dashboards in sync code."""
         with self._lock:
             state = self._state
-            wakers = self._settle(state.expire(self._clock()))
+            now = self._clock()
+            wakers = self._settle(state.tick(now))
             active = dict(state.active)
             queued = {name: len(q) for name, q in state.queues.items()}
+            state.bank.refill(now)
+            buckets = {
+                key: BucketStats(level=b.level, capacity=b.rule.capacity, per=b.rule.per)
+                for key, b in state.bank.buckets.items()
+            }
+            effective = state.rules.max_concurrent
+            paused = None if state.paused_until <= now else self._epoch(state.paused_until, now)
         _wake(wakers)
-        return self._stats(active, queued)
+        return self._stats(
+            active, queued, effective=effective, paused_until=paused, buckets=buckets
+        )
+
+    async def set_limits(
+        self,
+        *,
+        max_concurrent: int | None = None,
+        max_queued: int | _Unset | None = _UNSET,
+        workloads: Mapping[W, Workload] | None = None,
+        default_workload: str | _Unset | None = _UNSET,
+        rate: Rate | _Unset | None = _UNSET,
+        adaptive: Adaptive | _Unset | None = _UNSET,
+    ) -> None:
+        """Change the limits at once, validated as the constructor validates them; what is
+        not given stays as it is.
+
+        Held slots are never revoked: with a smaller limit, new grants wait until fewer are
+        active. Requests waiting for a workload that is gone fail with
+        `ConcurrencyConfigError`; slots held in it count until they are released. Emits
+        `limit-changed` when the limit in force changes.
+
+        Raises:
+            ConcurrencyConfigError: a setting is invalid; nothing changed.
+        """
+        await require().checkpoint()
+        settings = self._settings
+        new = build_settings(
+            name=settings.name,
+            max_concurrent=settings.max_concurrent if max_concurrent is None else max_concurrent,
+            max_queued=settings.max_queued if isinstance(max_queued, _Unset) else max_queued,
+            lease_ttl=settings.lease_ttl,
+            workloads=settings.workloads if workloads is None else workloads,
+            default_workload=settings.default_workload
+            if isinstance(default_workload, _Unset)
+            else default_workload,
+            rate=settings.rate if isinstance(rate, _Unset) else rate,
+            adaptive=settings.adaptive if isinstance(adaptive, _Unset) else adaptive,
+        )
+        with self._lock:
+            old_limit = self._state.rules.max_concurrent
+            self._settings = new
+            granted, refused = self._state.reconfigure(
+                new.rules, new.max_queued, self._clock(), _aimd(new)
+            )
+            new_limit = self._state.rules.max_concurrent
+            wakers = self._settle(granted)
+            for ticket in refused:
+                ticket.refused = True
+                wakers += [t.waker for t in self._watchers.leave(ticket) if t.waker is not None]
+                if ticket.waker is not None:
+                    wakers.append(ticket.waker)
+        _wake(wakers)
+        if old_limit != new_limit:
+            self._limit_changed(old_limit, new_limit, "set_limits")
+
+    def throttle(
+        self, lease: SupportsLease | None, retry_after: float | None = None
+    ) -> tuple[float, tuple[int, int] | None]:
+        """The provider refused a request (429, 529, 503): pause new grants until
+        `retry_after` seconds from now (a doubling, jittered backoff from one second when
+        None), and lower an adaptive limit. Held slots are untouched; waiting requests keep
+        their places, and their `max_wait` and budgets keep running.
+
+        Most code calls `Slot.throttled()` (or lets `slotwise.httpx` do it), which reports
+        the `paused` and `limit-changed` events with the request's lineage.
+
+        Returns:
+            When the pause ends (seconds since the epoch), and the limit in force before
+            and after, when an adaptive limit changed.
+        """
+        with self._lock:
+            now = self._clock()
+            throttle = self._state.throttle(
+                None if lease is None else lease.lease_id,
+                retry_after,
+                now,
+                random.uniform(0.75, 1.25),
+            )
+            until = self._epoch(throttle.paused_until, now)
+            # Waiters whose alarm would ring during the pause re-arm for its end.
+            wakers = self._watchers.earlier(throttle.paused_until)
+        _wake(wakers)
+        return until, throttle.limit
+
+    def charge_tokens(self, lease: SupportsLease, tokens: int) -> None:
+        """Charge `tokens` more to the token buckets of `lease`'s workload and of the limiter
+        (a refund when negative): `Slot.used_tokens()` corrects an estimate with it."""
+        with self._lock:
+            granted = self._state.charge(lease.workload, "tokens", tokens, self._clock())
+            wakers = self._settle(granted)
+        _wake(wakers)
 
     # -- the Limiter protocol -------------------------------------------------------------
 
@@ -177,7 +297,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             ConcurrencyTimeoutError: no slot before `max_wait` or `request.deadline`.
         """
         workload = resolve_workload(self._settings, request.workload)
-        record = await self._take(workload, require(), request.deadline, None)
+        record = await self._take(workload, require(), request.deadline, None, request.tokens)
         return _lease(record)
 
     async def renew(self, lease: SupportsLease) -> Lease | None:
@@ -196,17 +316,25 @@ class MemoryLimiter(BuiltinLimiter[W]):
 
     def release_nowait(self, lease: SupportsLease) -> None:
         """`release()` without the `await`; the slot lifecycle uses it."""
+        state = self._state
         with self._lock:
-            granted = self._state.release(lease.lease_id, self._clock())
-            if not granted:
+            limit = state.rules.max_concurrent
+            granted = state.release(lease.lease_id, self._clock())
+            climbed = state.aimd is not None and state.rules.max_concurrent != limit
+            if not granted and not climbed:
                 return
             wakers = self._settle(granted)
         _wake(wakers)
+        if climbed:
+            self._limit_changed(limit, limit + 1, "recovered")
 
     # -- what the slot lifecycle uses (looked up on the class) ----------------------------
 
-    def _take_nowait(self, workload: str, loop: Loop | None, tether: Tether) -> LeaseRecord | None:
-        """A slot now, tethered to its holder, if the request would not have to wait."""
+    def _take_nowait(
+        self, workload: str, loop: Loop | None, tether: Tether, tokens: int = 0
+    ) -> LeaseRecord | None:
+        """A slot now, tethered to its holder, if the request would not have to wait (never
+        with rate limits or a pause: those go through `_take`)."""
         with self._lock:
             record, swept = self._state.take_nowait(workload, self._now(loop), tether)
             if not swept and not self._watchers.alarms:
@@ -216,14 +344,19 @@ class MemoryLimiter(BuiltinLimiter[W]):
         return record
 
     async def _take(
-        self, workload: str, loop: Loop, deadline: float | None, tether: Tether | None
+        self,
+        workload: str,
+        loop: Loop,
+        deadline: float | None,
+        tether: Tether | None,
+        tokens: int = 0,
     ) -> LeaseRecord:
         """Wait for a slot until the earlier of `deadline` (on `loop`'s clock) and the
         workload's `max_wait`. The request takes a slot or its place in the queue before
         this yields (so arrival order is the order of calls), then yields once at least."""
         with self._lock:
             now = self._now(loop)
-            ticket, swept = self._state.submit(workload, now, tether)
+            ticket, swept = self._state.submit(workload, now, tether, tokens)
             wakers = self._settle(swept, ticket.lease)
         _wake(wakers)
         end = self._end(workload, ticket.enqueued_at, loop, deadline)
@@ -246,13 +379,13 @@ class MemoryLimiter(BuiltinLimiter[W]):
             raise
 
     def _take_blocking(
-        self, workload: str, timeout: float | None, tether: Tether | None
+        self, workload: str, timeout: float | None, tether: Tether | None, tokens: int = 0
     ) -> LeaseRecord:
         """`_take()` for a thread with no event loop: blocks until a slot, the timeout
         (seconds) or the workload's `max_wait`."""
         with self._lock:
             now = self._now(None)
-            ticket, swept = self._state.submit(workload, now, tether)
+            ticket, swept = self._state.submit(workload, now, tether, tokens)
             wakers = self._settle(swept, ticket.lease)
         _wake(wakers)
         deadline = None if timeout is None else now + timeout
@@ -327,7 +460,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         timed_out = False
         with self._lock:
             now = self._clock()
-            granted = state.expire(now) if ticket.lease is None else []
+            granted = state.tick(now) if ticket.lease is None else []
             record = ticket.lease
             if record is not None and record.expires_at <= now and not holds(record.tether):
                 # Granted, but the lease ran out before this waiter resumed (its loop or
@@ -336,7 +469,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
                 record = ticket.lease
             waker: Waker | None = None
             until = end
-            if record is not None:
+            if record is not None or ticket.refused:
                 granted += self._watchers.leave(ticket)
             elif now >= end:
                 granted += state.withdraw(ticket, now)
@@ -344,9 +477,16 @@ class MemoryLimiter(BuiltinLimiter[W]):
                 timed_out = True
             else:
                 waker = ticket.waker = ThreadWaker() if loop is None else loop.waker()
-                until = min(until, self._watchers.park(ticket, state.next_expiry()))
+                until = min(until, self._watchers.park(ticket, state.next_wake(now)))
             wakers = self._settle(granted)
         _wake(wakers)
+        if ticket.refused:
+            raise ConcurrencyConfigError(
+                f"workload {ticket.workload!r} was removed from limiter {self.name!r} by "
+                "set_limits() while this request waited"
+            )
+        if record is not None and ticket.rate_waits:
+            record.waited_for = tuple(sorted(ticket.rate_waits))
         if timed_out:
             max_wait = self._settings.workloads[ticket.workload].max_wait
             by_max_wait = max_wait is not None and (
@@ -380,6 +520,28 @@ class MemoryLimiter(BuiltinLimiter[W]):
             wakers += watchers.earlier(min(expiries))
         return wakers
 
+    def _epoch(self, moment: float, now: float) -> float:
+        """A time on the state's clock, in seconds since the epoch."""
+        return time.time() + (moment - now)
+
+    def _limit_changed(self, old: int, new: int, reason: str) -> None:
+        if dispatch._subscriptions and dispatch.wants(self):
+            dispatch.emit(
+                self,
+                LimitChangedEvent(
+                    timestamp=time.time(),
+                    limiter=self.name,
+                    workload=None,
+                    run_id=None,
+                    root_run_id=None,
+                    parent_run_id=None,
+                    request_id=None,
+                    old=old,
+                    new=new,
+                    reason=reason,
+                ),
+            )
+
     def __repr__(self) -> str:
         state = self._state
         rules = self._settings.rules
@@ -393,6 +555,11 @@ class MemoryLimiter(BuiltinLimiter[W]):
             f"<slotwise.MemoryLimiter {self.name!r} {len(state.leases)}/{rules.max_concurrent} "
             f"active, {state.queued} queued ({', '.join(parts)})>"
         )
+
+
+def _aimd(settings: Settings) -> tuple[int, float] | None:
+    adaptive = settings.adaptive
+    return None if adaptive is None else (adaptive.min_concurrent, adaptive.backoff)
 
 
 class _Watchers:

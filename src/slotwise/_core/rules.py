@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 import attrs
 
+from .rates import Bank, BucketRule, Cost
+
 __all__ = ("Rules", "WorkloadRule", "allocate", "has_room", "shared_in_use")
 
 E = TypeVar("E")
@@ -27,6 +29,7 @@ class WorkloadRule:
     ceiling: int
     reserved: int
     priority: int
+    max_queued: int | None = None  # waiting requests of this workload; None: unbounded
 
 
 @attrs.frozen(kw_only=True)
@@ -35,6 +38,8 @@ class Rules:
 
     max_concurrent: int
     workloads: Mapping[str, WorkloadRule]
+    # Rate limits, by bucket key (see slotwise._core.rates.bucket_key); none by default.
+    buckets: Mapping[str, BucketRule] = attrs.field(factory=dict)
     shared: int = attrs.field(init=False)
 
     @shared.default
@@ -75,6 +80,10 @@ def allocate(
     active: Mapping[str, int],
     queues: Mapping[str, Iterable[E]],
     order: Callable[[E], Any],
+    *,
+    bank: Bank | None = None,
+    cost: Callable[[E], Cost] | None = None,
+    blocked: Callable[[E, list[str], float], object] | None = None,
 ) -> list[E]:
     """Return the queued requests to grant now, in grant order.
 
@@ -85,10 +94,21 @@ def allocate(
             granted are read, so a long queue costs nothing.
         order: The waiting-time key of a request: a smaller key has waited longer. Among
             workloads of equal priority the head with the smallest key goes first.
+        bank: The rate buckets, refilled to now; the costs of the granted requests are taken
+            from it. None (or empty): no rate limits.
+        cost: A request's cost in each kind of bucket (needed with a bank).
+        blocked: Called for each head that has a slot but must wait for buckets, with the
+            keys of those buckets and the seconds until its own buckets hold its cost
+            (``inf`` when it waits behind an earlier claim on a shared bucket).
 
     Repeatedly, among the workloads that have room and waiters, the one with the highest
     priority is served (a tie goes to the head that has waited longest), until no workload
     with waiters has room. The result satisfies "no waiter while its workload has room".
+
+    With rate limits, a head with room whose buckets lack its cost waits, and so does its
+    whole workload (arrival order); the limiter's buckets it lacks are claimed for it, so no
+    request after it in that order (of a lower priority, or later at the same priority)
+    takes from them before it. A workload's own buckets serve that workload only.
     """
     counts = dict(active)
     shared_used = shared_in_use(rules, counts)
@@ -100,6 +120,8 @@ def allocate(
         if head is not _EMPTY:
             cursors[name] = cursor
             heads[name] = head
+    rated = bank is not None and bool(bank)
+    claimed: set[str] = set()
     grants: list[E] = []
     while heads:
         best: str | None = None
@@ -116,6 +138,21 @@ def allocate(
                 best, best_key = name, (priority, order(head))
         if best is None:
             break
+        if rated:
+            assert bank is not None
+            assert cost is not None
+            price = cost(heads[best])
+            needs = list(bank.applying(best, price))
+            short = [key for key, bucket, units in needs if bucket.level < units]
+            behind = [key for key, _, _ in needs if key in claimed]
+            if short or behind:
+                claimed.update(key for key in short if key in price)  # the limiter's own
+                if blocked is not None:
+                    wait = max((b.wait(u) for k, b, u in needs if k in short), default=0.0)
+                    blocked(heads[best], short + behind, wait if short else float("inf"))
+                del heads[best]  # the rest of its workload waits behind it
+                continue
+            bank.take(best, price)
         grants.append(heads[best])
         held = counts.get(best, 0)
         if held >= rules.workloads[best].reserved:

@@ -1,15 +1,18 @@
-"""The in-process state of a limiter: wait queues and lease table, with ``now`` passed in.
+"""The in-process state of a limiter: wait queues, lease table, rate buckets and pause, with
+``now`` passed in.
 
-A backend keeps one :class:`LimiterState` and calls it synchronously, so every read and the
-grant that follows happen with no ``await`` in between: that is what makes allocation atomic in
+A backend keeps one `LimiterState` and calls it synchronously, so every read and the grant
+that follows happen with no ``await`` in between: that is what makes allocation atomic in
 memory. Each method that can free capacity returns the tickets it granted; the caller wakes
-their waiters.
+their waiters. `next_wake` says when time alone (a lease running out, a bucket refilling, a
+pause ending) can change what is granted, so a waiter can set one timer for the limiter.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable
@@ -17,8 +20,10 @@ from typing import Any, Protocol
 
 import attrs
 
-from .._errors import ConcurrencyQueueFullError
-from .rules import Rules, allocate, has_room
+from .._errors import ConcurrencyConfigError, ConcurrencyQueueFullError
+from .adaptive import Aimd, backoff_delay
+from .rates import Bank, Cost
+from .rules import Rules, WorkloadRule, allocate, has_room
 
 __all__ = ("LeaseRecord", "LimiterState", "Ticket")
 
@@ -46,23 +51,40 @@ def holds(tether: Tether | None) -> bool:
 class LeaseRecord:
     """A granted lease; the shell hands it out as the lease itself."""
 
-    __slots__ = ("expires_at", "lease_id", "tether", "workload")
+    __slots__ = ("epoch", "expires_at", "lease_id", "tether", "throttled", "waited_for", "workload")
+
+    expires_at: float
 
     def __init__(
-        self, lease_id: str, workload: str, expires_at: float, tether: Tether | None
+        self, lease_id: str, workload: str, expires_at: float, tether: Tether | None, epoch: int
     ) -> None:
         self.lease_id = lease_id
         self.workload = workload
         self.expires_at = expires_at
         self.tether = tether
+        self.epoch = epoch  # the adaptive limit's epoch when it was granted
+        self.throttled = False  # the provider refused its request
+        self.waited_for: tuple[str, ...] = ()  # the rate buckets (and "pause") it waited for
 
     def __repr__(self) -> str:
         return f"LeaseRecord({self.lease_id!r}, {self.workload!r}, expires_at={self.expires_at})"
 
 
+_NO_COST: Cost = {"requests": 1}
+
+
+@attrs.frozen(kw_only=True)
+class Throttle:
+    """What a provider's refusal did: the pause and, with an adaptive limit, the change."""
+
+    paused_until: float
+    limit: tuple[int, int] | None  # (old, new) effective max_concurrent, when it changed
+
+
 @attrs.define(eq=False)
 class Ticket:
-    """One request for a slot. ``lease`` is set when it is granted; ``waker`` is the shell's."""
+    """One request for a slot. ``lease`` is set when it is granted; ``waker`` is the shell's.
+    ``rate_waits`` collects the buckets (and ``"pause"``) the request had to wait for."""
 
     seq: int
     workload: str
@@ -70,6 +92,13 @@ class Ticket:
     lease: LeaseRecord | None = None
     waker: Any = None
     tether: Tether | None = None
+    cost: Cost = _NO_COST
+    rate_waits: set[str] | None = None
+    refused: bool = False  # its workload was removed while it waited
+
+
+def _cost(ticket: Ticket) -> Cost:
+    return ticket.cost
 
 
 def _arrival(ticket: Ticket) -> int:
@@ -78,9 +107,16 @@ def _arrival(ticket: Ticket) -> int:
 
 
 class LimiterState:
-    """Queues and leases of one limiter. Not thread-safe; never awaits."""
+    """Queues, leases, rate buckets and pause of one limiter. Not thread-safe; never awaits."""
 
-    def __init__(self, rules: Rules, *, max_queued: int | None, lease_ttl: float) -> None:
+    def __init__(
+        self,
+        rules: Rules,
+        *,
+        max_queued: int | None,
+        lease_ttl: float,
+        adaptive: tuple[int, float] | None = None,
+    ) -> None:
         self.rules = rules
         self.max_queued = max_queued
         self.lease_ttl = lease_ttl
@@ -97,33 +133,85 @@ class LimiterState:
         # A per-state prefix keeps lease ids unique across limiters and restarts.
         self._prefix = secrets.token_hex(6)
         self._lease_seq = itertools.count(1)
+        # Buckets start full: as if they had been refilling forever.
+        self.bank = Bank(rules.buckets, -math.inf)
+        self.paused_until = -math.inf  # no grant before this time
+        self._refill_at = math.inf  # when a head blocked by buckets can have them
+        self._backoffs = 0  # pauses without a retry-after since the last success
+        # The effective limit, when it follows pushback: rules.max_concurrent is its value.
+        self.aimd: Aimd | None = None
+        if adaptive is not None:
+            floor, backoff = adaptive
+            self.aimd = Aimd(
+                floor=floor,
+                ceiling=rules.max_concurrent,
+                backoff=backoff,
+                limit=rules.max_concurrent,
+            )
+
+    @property
+    def timed(self) -> bool:
+        """Whether time alone can grant something (rate buckets, or a pause)."""
+        return bool(self.bank) or self.paused_until > -math.inf
 
     # -- requests -------------------------------------------------------------------------
 
     def submit(
-        self, workload: str, now: float, tether: Tether | None = None
+        self,
+        workload: str,
+        now: float,
+        tether: Tether | None = None,
+        tokens: int = 0,
     ) -> tuple[Ticket, list[Ticket]]:
         """Add a request; return it (granted at once when ``ticket.lease`` is set) and any
         tickets granted because expired leases were swept first.
 
         Raises:
-            ConcurrencyQueueFullError: it would have to wait and ``max_queued`` are waiting.
+            ConcurrencyQueueFullError: it would have to wait and ``max_queued`` are waiting
+                (the limiter's, or its workload's).
+            ConcurrencyConfigError: its cost can never fit one of its buckets.
         """
-        swept = self.expire(now) if self._expiries and self._expiries[0][0] <= now else []
-        ticket = Ticket(seq=next(self._seq), workload=workload, enqueued_at=now, tether=tether)
+        cost = _NO_COST if not tokens else {"requests": 1, "tokens": tokens}
+        if self.bank:
+            oversized = self.bank.oversized(workload, cost)
+            if oversized is not None:
+                key, units, rule = oversized
+                raise ConcurrencyConfigError(
+                    f"a request of {units} {rule.kind} can never be granted: bucket {key!r} "
+                    f"holds at most {rule.capacity} {rule.kind} per {rule.per:g}s"
+                )
+        swept = self.tick(now)
+        ticket = Ticket(
+            seq=next(self._seq), workload=workload, enqueued_at=now, tether=tether, cost=cost
+        )
         # Fast path of `allocate`: an empty queue means every earlier waiter belongs to a
-        # workload without room, so this request goes first iff its own workload has room.
-        if not self.queues[workload] and has_room(
-            self.rules, self.active, workload, self.shared_used
+        # workload without room, so this request goes first iff its own workload has room
+        # (with no buckets or pause to consult).
+        if (
+            not self.timed
+            and not self.queues[workload]
+            and has_room(self.rules, self.active, workload, self.shared_used)
         ):
             self._grant(ticket, now)
             return ticket, swept
+        queue = self.queues[workload]
         if self.max_queued is not None and self.queued >= self.max_queued:
             raise ConcurrencyQueueFullError(
                 f"{self.queued} requests are already waiting (max_queued={self.max_queued})"
             )
-        self.queues[workload][ticket.seq] = ticket
+        bound = self.rules.workloads[workload].max_queued
+        if bound is not None and len(queue) >= bound:
+            raise ConcurrencyQueueFullError(
+                f"{len(queue)} requests of workload {workload!r} are already waiting "
+                f"(its max_queued={bound})"
+            )
+        queue[ticket.seq] = ticket
         self.queued += 1
+        if self.timed:
+            granted = self._allocate(now)
+            if ticket.lease is not None:
+                granted.remove(ticket)
+            return ticket, swept + granted
         return ticket, swept
 
     def take_nowait(
@@ -131,9 +219,11 @@ class LimiterState:
     ) -> tuple[LeaseRecord | None, list[Ticket]]:
         """Grant a slot now if the request would not have to wait, else take nothing; also
         return the tickets granted because expired leases were swept first."""
-        swept = self.expire(now) if self._expiries and self._expiries[0][0] <= now else []
-        if self.queues[workload] or not has_room(
-            self.rules, self.active, workload, self.shared_used
+        swept = self.tick(now)
+        if (
+            self.timed
+            or self.queues[workload]
+            or not has_room(self.rules, self.active, workload, self.shared_used)
         ):
             return None, swept
         return self._lease(workload, now, tether), swept
@@ -167,12 +257,19 @@ class LimiterState:
     # -- leases ---------------------------------------------------------------------------
 
     def release(self, lease_id: str, now: float) -> list[Ticket]:
-        """End a lease (idempotent) and grant what it frees."""
+        """End a lease (idempotent) and grant what it frees. A lease whose request the
+        provider did not refuse counts as a success for an adaptive limit."""
         record = self.leases.pop(lease_id, None)
         if record is None:
             return []
         self._drop(record)
         self._compact()
+        if not record.throttled:
+            self._backoffs = 0
+            if self.aimd is not None:
+                new = self.aimd.success(record.epoch)
+                if new is not None:
+                    self._set_limit(new)
         return self._allocate(now)
 
     def renew(self, lease_id: str, now: float) -> LeaseRecord | None:
@@ -185,7 +282,28 @@ class LimiterState:
         self._compact()
         return record
 
-    def expire(self, now: float) -> list[Ticket]:
+    def tick(self, now: float) -> list[Ticket]:
+        """What time alone grants by ``now``: expired leases swept, refilled buckets and a
+        pause that has ended."""
+        due = bool(self._expiries) and self._expiries[0][0] <= now
+        if self.timed and self.queued and (due or self._refill_at <= now or self.paused(now)):
+            self.expire(now, allocate=False)
+            granted = self._allocate(now)
+        else:
+            granted = self.expire(now) if due else []
+        if self.paused(now) and not self._waiting_since(self.paused_until):
+            self.unpause()
+        return granted
+
+    def _waiting_since(self, moment: float) -> bool:
+        """Whether a request that arrived before ``moment`` still waits."""
+        return any(
+            next(iter(queue.values())).enqueued_at < moment
+            for queue in self.queues.values()
+            if queue
+        )
+
+    def expire(self, now: float, *, allocate: bool = True) -> list[Ticket]:
         """Drop every lease whose time is up and grant what that frees. A tethered lease
         whose holder still holds it is extended by ``lease_ttl`` instead."""
         expired = False
@@ -204,7 +322,99 @@ class LimiterState:
         for record in kept:
             record.expires_at = now + self.lease_ttl
             heapq.heappush(self._expiries, (record.expires_at, record.lease_id))
-        return self._allocate(now) if expired else []
+        return self._allocate(now) if expired and allocate else []
+
+    def paused(self, now: float) -> bool:
+        """Whether a pause was in force and has ended by ``now`` (so waiters can go)."""
+        return -math.inf < self.paused_until <= now
+
+    def unpause(self) -> None:
+        """Forget a pause that has ended (after the grants it held back were made)."""
+        self.paused_until = -math.inf
+
+    def throttle(
+        self, lease_id: str | None, retry_after: float | None, now: float, jitter: float
+    ) -> Throttle:
+        """The provider refused a request (the lease ``lease_id``, if still held): grant
+        nothing before ``now + retry_after`` (or a doubling backoff when it gave none), and
+        lower an adaptive limit. Held slots are untouched; waiters keep their places."""
+        if retry_after is None:
+            retry_after = backoff_delay(self._backoffs, jitter)
+            self._backoffs += 1
+        self.paused_until = max(self.paused_until, now + max(0.0, retry_after))
+        record = self.leases.get(lease_id) if lease_id is not None else None
+        change = None
+        if record is not None:
+            record.throttled = True
+            if self.aimd is not None:
+                old = self.aimd.limit
+                new = self.aimd.pushback(record.epoch)
+                if new is not None:
+                    self._set_limit(new)
+                    change = (old, new)
+        return Throttle(paused_until=self.paused_until, limit=change)
+
+    def charge(self, workload: str, kind: str, units: int, now: float) -> list[Ticket]:
+        """Charge ``units`` more of ``kind`` to the buckets of ``workload`` (a refund when
+        negative: an estimate corrected after the fact); returns what a refund grants."""
+        if not self.bank or not units:
+            return []
+        self.bank.refill(now)
+        self.bank.give(workload, kind, units)
+        return self._allocate(now) if units < 0 else []
+
+    def reconfigure(
+        self,
+        rules: Rules,
+        max_queued: int | None,
+        now: float,
+        adaptive: tuple[int, float] | None = None,
+    ) -> tuple[list[Ticket], list[Ticket]]:
+        """Apply new limits at once. Every held lease still counts until it is released or
+        expires (a workload that is gone keeps its leases, as a workload that can take
+        nothing more); the waiters of a workload that is gone are returned to be refused.
+        Returns (granted, refused)."""
+        retired = {
+            name: WorkloadRule(ceiling=0, reserved=0, priority=0)
+            for name, held in self.active.items()
+            if held and name not in rules.workloads
+        }
+        if retired:
+            rules = attrs.evolve(rules, workloads={**rules.workloads, **retired})
+        refused: list[Ticket] = []
+        for name in list(self.queues):
+            if name not in rules.workloads:
+                refused += self.queues.pop(name).values()
+        for name in rules.workloads:
+            self.queues.setdefault(name, OrderedDict())
+        self.queued -= len(refused)
+        self.active = {name: self.active.get(name, 0) for name in rules.workloads}
+        if adaptive is None:
+            self.aimd = None
+        else:
+            floor, backoff = adaptive
+            limit = rules.max_concurrent
+            if self.aimd is not None:  # keep what pushback taught, within the new bounds
+                limit = min(max(self.aimd.limit, floor), rules.max_concurrent)
+            epoch = 0 if self.aimd is None else self.aimd.epoch
+            self.aimd = Aimd(
+                floor=floor, ceiling=rules.max_concurrent, backoff=backoff, limit=limit, epoch=epoch
+            )
+            rules = attrs.evolve(rules, max_concurrent=limit)
+        self.rules = rules
+        self.max_queued = max_queued
+        self.shared_used = sum(
+            max(0, held - rules.workloads[name].reserved) for name, held in self.active.items()
+        )
+        old = self.bank.buckets
+        self.bank = Bank(rules.buckets, -math.inf)
+        for key, bucket in self.bank.buckets.items():
+            previous = old.get(key)
+            if previous is not None:  # keep what was spent, within the new capacity
+                previous.refill(now)
+                bucket.level = min(previous.level, float(bucket.rule.capacity))
+                bucket.updated = now
+        return self._allocate(now), refused
 
     def rebase(self, now: float) -> None:
         """The shell moved this idle state (no lease, no waiter) to another clock: forget
@@ -212,9 +422,15 @@ class LimiterState:
         assert not self.leases
         assert not self.queued
         self._expiries.clear()
+        self.bank = Bank(self.rules.buckets, -math.inf)
+        self.paused_until = -math.inf
+        self._refill_at = math.inf
 
     def clear(self) -> None:
         """Drop every lease and waiter: the shell knows none of them can ever be used."""
+        self.bank = Bank(self.rules.buckets, -math.inf)
+        self.paused_until = -math.inf
+        self._refill_at = math.inf
         self.leases.clear()
         for queue in self.queues.values():
             queue.clear()
@@ -222,6 +438,14 @@ class LimiterState:
         self.active = dict.fromkeys(self.active, 0)
         self.shared_used = 0
         self._expiries.clear()
+
+    def next_wake(self, now: float) -> float | None:
+        """When time alone can next change what is granted: the earliest lease expiry, the
+        refill a blocked head waits for, the end of a pause. None: never."""
+        wake = min(self.next_expiry() or math.inf, self._refill_at)
+        if self.paused_until > now:
+            wake = min(wake, self.paused_until)
+        return None if wake == math.inf else wake
 
     def next_expiry(self) -> float | None:
         """When the earliest lease may expire (a lower bound: renewals move it later)."""
@@ -238,9 +462,15 @@ class LimiterState:
     def _grant(self, ticket: Ticket, now: float) -> None:
         ticket.lease = self._lease(ticket.workload, now, ticket.tether)
 
+    def _set_limit(self, limit: int) -> None:
+        self.rules = attrs.evolve(self.rules, max_concurrent=limit)
+        # Held slots stay: shared_used may now exceed the smaller shared capacity, and no
+        # workload has room beyond its reservation until enough of them are released.
+
     def _lease(self, workload: str, now: float, tether: Tether | None) -> LeaseRecord:
         lease_id = f"{self._prefix}-{next(self._lease_seq)}"
-        record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether)
+        epoch = 0 if self.aimd is None else self.aimd.epoch
+        record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether, epoch)
         self.leases[lease_id] = record
         held = self.active[workload]
         if held >= self.rules.workloads[workload].reserved:
@@ -266,11 +496,38 @@ class LimiterState:
     def _allocate(self, now: float) -> list[Ticket]:
         if not self.queued:
             return []
-        granted = allocate(
-            self.rules, self.active, {w: q.values() for w, q in self.queues.items()}, _arrival
-        )
+        self._refill_at = math.inf
+        if now < self.paused_until:
+            return []
+        queues = {w: q.values() for w, q in self.queues.items()}
+        if self.bank:
+            self.bank.refill(now)
+            granted = allocate(
+                self.rules,
+                self.active,
+                queues,
+                _arrival,
+                bank=self.bank,
+                cost=_cost,
+                blocked=lambda ticket, keys, wait: self._blocked(ticket, keys, wait, now),
+            )
+        else:
+            granted = allocate(self.rules, self.active, queues, _arrival)
         for ticket in granted:
             del self.queues[ticket.workload][ticket.seq]
             self.queued -= 1
+            if ticket.enqueued_at < self.paused_until:
+                _waited(ticket, ["pause"])
             self._grant(ticket, now)
         return granted
+
+    def _blocked(self, ticket: Ticket, keys: list[str], wait: float, now: float) -> None:
+        _waited(ticket, keys)
+        self._refill_at = min(self._refill_at, now + wait)
+
+
+def _waited(ticket: Ticket, reasons: list[str]) -> None:
+    if ticket.rate_waits is None:
+        ticket.rate_waits = set(reasons)
+    else:
+        ticket.rate_waits.update(reasons)

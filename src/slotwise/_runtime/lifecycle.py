@@ -47,8 +47,10 @@ from .._events import (
     AcquiredEvent,
     ConfigErrorEvent,
     LeaseLostEvent,
+    LimitChangedEvent,
     LimiterErrorEvent,
     Outcome,
+    PausedEvent,
     QueueFullEvent,
     ReleasedEvent,
     ReleaseFailedEvent,
@@ -234,6 +236,7 @@ class Slot:
         "_released",
         "_renewed_at",
         "_scope",
+        "_tokens",
         "_ttl",
         "lease",
         "limiter",
@@ -274,6 +277,7 @@ class Slot:
         self._context: object = None  # the `async with` object that entered it, if one did
         self._frame: Any = None  # the async generator frame that entered it, if one did
         self._keeper: Any = None  # the keeper that renews the lease, if one must
+        self._tokens = 0  # the tokens charged for it: the estimate, then what was used
 
     def _clock(self) -> float:
         loop = self._loop
@@ -313,6 +317,54 @@ class Slot:
         if keeper is not None:
             keeper.forget(self)
         await _release(self.limiter, self.lease, partial(self._released_as, outcome), bound)
+
+    def used_tokens(self, tokens: int) -> None:
+        """Correct the slot's token estimate with what its request really used (the
+        response's `usage`): the difference is charged to the token buckets, or refunded.
+        Call it once the count is known, while held or after release. `slotwise.httpx` does
+        it for the OpenAI and Anthropic SDKs.
+
+        Args:
+            tokens: The tokens the request used, input and output together.
+
+        Raises:
+            ValueError: `tokens` is not a non-negative integer.
+        """
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ValueError(f"tokens must be a non-negative integer, got {tokens!r}")
+        delta, self._tokens = tokens - self._tokens, tokens
+        charge = getattr(type(self.limiter), "charge_tokens", None)
+        if delta and charge is not None and self.lease is not None:
+            charge(self.limiter, self.lease, delta)
+
+    def throttled(self, retry_after: float | None = None, *, reason: str = "throttled") -> None:
+        """Say that the provider refused this slot's request (a 429, 529 or 503): the limiter
+        grants no new slot until `retry_after` seconds from now (a jittered backoff that
+        doubles from one second when None), for every task, and for every process of a
+        `PostgresLimiter`; an adaptive limit backs off. Held slots are untouched, waiting
+        requests keep their places. `slotwise.httpx` calls it by itself.
+
+        Args:
+            retry_after: Seconds, from the provider's `retry-after` header; None when it
+                gave none.
+            reason: Reported in the `paused` event (`slotwise.httpx` gives the status).
+
+        Raises:
+            ValueError: `retry_after` is negative or not a finite number.
+        """
+        if retry_after is not None and (
+            not isinstance(retry_after, int | float)
+            or isinstance(retry_after, bool)
+            or not 0 <= retry_after < math.inf
+        ):
+            raise ValueError(f"retry_after must be None or seconds (>= 0), got {retry_after!r}")
+        throttle = getattr(type(self.limiter), "throttle", None)
+        if throttle is None or self.lease is None:
+            return
+        until, change = throttle(self.limiter, self.lease, retry_after)
+        self._emit(PausedEvent, until=until, reason=reason)
+        if change is not None:
+            self._emit(LimitChangedEvent, old=change[0], new=change[1], reason="pushback")
 
     def release_sync(self, outcome: Outcome = "completed") -> None:
         """`release()` for code with no event loop (a slot taken with `sync_slot()`).
@@ -434,6 +486,7 @@ async def acquire(
     workload: str | None = None,
     *,
     limiter: Any = None,
+    tokens: int | None = None,
     allow_nested: bool = False,
 ) -> Slot:
     """Wait for a slot and return it; the caller (any task) must `await slot.release()`.
@@ -447,6 +500,9 @@ async def acquire(
             limiter's default.
         limiter: The limiter; default: the current run's. With neither, nothing is
             limited: an unlimited `Slot` is returned at once and nothing is emitted.
+        tokens: The request's estimated tokens, for a limiter with token rate limits
+            (charged when the slot is granted; correct it with `Slot.used_tokens()`).
+            None: the request costs no tokens (it waits only for requests and slots).
         allow_nested: Take the slot even though this task already holds a slot of the same
             limiter (see the deadlock guard in the docs).
 
@@ -458,7 +514,7 @@ async def acquire(
             slot without `allow_nested`.
     """
     loop = require()
-    slot, run = _request(workload, limiter, allow_nested, loop)
+    slot, run = _request(workload, limiter, allow_nested, loop, tokens)
     if slot.limiter is None:
         await loop.checkpoint()
         return slot
@@ -472,9 +528,11 @@ async def acquire(
             # The limiter keeps the lease valid while the slot lives and honours the deadline
             # itself: it takes a slot or a place in the queue before anything yields.
             tether = weakref.ref(slot)
-            lease = take_nowait(limiter, slot.workload, loop, tether)
+            lease = take_nowait(limiter, slot.workload, loop, tether, slot._tokens)
             if lease is None:
-                lease = await cls._take(limiter, slot.workload, loop, deadline, tether)
+                lease = await cls._take(
+                    limiter, slot.workload, loop, deadline, tether, slot._tokens
+                )
             else:
                 try:
                     await loop.checkpoint()
@@ -495,7 +553,7 @@ async def acquire(
         keeper.track(slot, loop, since=start)
     if dispatch._subscriptions and dispatch.wants(limiter):
         try:
-            slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=now - start)
+            _acquired(slot, lease, now - start)
         except BaseException:  # a subscriber's KeyboardInterrupt: nobody will hold the slot
             await slot.release("cancelled")
             raise
@@ -507,6 +565,7 @@ def acquire_sync(
     *,
     limiter: Any = None,
     timeout: float | None = None,
+    tokens: int | None = None,
     allow_nested: bool = False,
 ) -> Slot:
     """`acquire()` for code with no event loop: blocks the thread until a slot, `timeout`
@@ -523,7 +582,7 @@ def acquire_sync(
         raise ConcurrencyConfigError(
             f"timeout must be None or a non-negative number of seconds, got {timeout!r}"
         )
-    slot, run = _request(workload, limiter, allow_nested, None)
+    slot, run = _request(workload, limiter, allow_nested, None, tokens)
     limiter = slot.limiter
     if limiter is None:
         return slot
@@ -562,18 +621,33 @@ def acquire_sync(
     slot._acquired_at = now = time.monotonic()
     if dispatch._subscriptions and dispatch.wants(limiter):
         try:
-            slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=now - start)
+            _acquired(slot, lease, now - start)
         except BaseException:  # a subscriber's KeyboardInterrupt: nobody will hold the slot
             slot.release_sync("cancelled")
             raise
     return slot
 
 
+def _acquired(slot: Slot, lease: SupportsLease, waited: float) -> None:
+    waited_for = getattr(lease, "waited_for", ())
+    slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=waited, waited_for=waited_for)
+
+
 def _request(
-    workload: str | None, limiter: Any, allow_nested: bool, loop: Loop | None
+    workload: str | None,
+    limiter: Any,
+    allow_nested: bool,
+    loop: Loop | None,
+    tokens: int | None = None,
 ) -> tuple[Slot, Run | None]:
-    """The slot a request will fill: its limiter, workload and lineage, checked. A slot with
-    no limiter limits nothing."""
+    """The slot a request will fill: its limiter, workload, token estimate and lineage,
+    checked. A slot with no limiter limits nothing."""
+    if tokens is not None and (
+        not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0
+    ):
+        raise ConcurrencyConfigError(
+            f"tokens must be None or a non-negative integer, got {tokens!r}"
+        )
     run = current_run()
     if limiter is None:
         limiter = run.limiter if run is not None else None
@@ -582,6 +656,7 @@ def _request(
     if workload is None and run is not None and run.limiter is limiter:
         workload = run.workload
     slot = Slot(limiter, run, loop)
+    slot._tokens = tokens or 0
     try:
         slot.workload = _resolve(limiter, workload)
         held = _holding.get()
@@ -628,6 +703,7 @@ async def _acquire_renewable(slot: Slot, loop: Loop, deadline: float | None) -> 
         root_run_id=slot.root_run_id,
         parent_run_id=slot.parent_run_id,
         deadline=deadline,
+        tokens=slot._tokens,
     )
     if deadline is None:
         lease: SupportsLease = await limiter.acquire(request)
@@ -751,15 +827,23 @@ class SlotContext(Generic[W]):
     last (as `AsyncExitStack` does).
     """
 
-    __slots__ = ("_allow_nested", "_limiter", "_workload")
+    __slots__ = ("_allow_nested", "_limiter", "_tokens", "_workload")
 
-    def __init__(self, workload: W | None, limiter: Any, allow_nested: bool) -> None:
+    def __init__(
+        self, workload: W | None, limiter: Any, allow_nested: bool, tokens: int | None = None
+    ) -> None:
         self._workload = workload
         self._limiter = limiter
         self._allow_nested = allow_nested
+        self._tokens = tokens
 
     async def __aenter__(self) -> Slot:
-        slot = await acquire(self._workload, limiter=self._limiter, allow_nested=self._allow_nested)
+        slot = await acquire(
+            self._workload,
+            limiter=self._limiter,
+            tokens=self._tokens,
+            allow_nested=self._allow_nested,
+        )
         if slot.lease is None:
             return slot
         _enter(self, slot, sys._getframe(1))
@@ -806,7 +890,11 @@ class SlotContext(Generic[W]):
 
 
 def slot(
-    workload: W | None = None, *, limiter: Any = None, allow_nested: bool = False
+    workload: W | None = None,
+    *,
+    limiter: Any = None,
+    tokens: int | None = None,
+    allow_nested: bool = False,
 ) -> SlotContext[W]:
     """Hold one slot around one provider request: `async with slotwise.slot(): ...`.
 
@@ -815,6 +903,8 @@ def slot(
             limiter's default.
         limiter: Any limiter, built-in or custom; default: the current run's. With neither,
             nothing is limited and nothing is emitted (limits are opt-in).
+        tokens: The request's estimated tokens, for token rate limits (charged at the
+            grant; correct it with `Slot.used_tokens()`). None: it costs no tokens.
         allow_nested: Allow taking a slot while this task already holds one of the same
             limiter (otherwise `ConcurrencyConfigError`, as that can deadlock).
 
@@ -834,7 +924,7 @@ def slot(
     responses). If such a generator is abandoned anyway, its slot is still released when the
     event loop finalizes it.
     """
-    return SlotContext(workload, limiter, allow_nested)
+    return SlotContext(workload, limiter, allow_nested, tokens)
 
 
 @final
@@ -842,21 +932,28 @@ class SyncSlotContext(Generic[W]):
     """`with` form of a slot for code with no event loop: yields the `Slot`, releases it on
     exit. Like `SlotContext`, one object may be entered by many threads at once."""
 
-    __slots__ = ("_allow_nested", "_limiter", "_timeout", "_workload")
+    __slots__ = ("_allow_nested", "_limiter", "_timeout", "_tokens", "_workload")
 
     def __init__(
-        self, workload: W | None, limiter: Any, timeout: float | None, allow_nested: bool
+        self,
+        workload: W | None,
+        limiter: Any,
+        timeout: float | None,
+        allow_nested: bool,
+        tokens: int | None = None,
     ) -> None:
         self._workload = workload
         self._limiter = limiter
         self._timeout = timeout
         self._allow_nested = allow_nested
+        self._tokens = tokens
 
     def __enter__(self) -> Slot:
         slot = acquire_sync(
             self._workload,
             limiter=self._limiter,
             timeout=self._timeout,
+            tokens=self._tokens,
             allow_nested=self._allow_nested,
         )
         if slot.lease is not None:
@@ -879,6 +976,7 @@ def sync_slot(
     *,
     limiter: Any = None,
     timeout: float | None = None,
+    tokens: int | None = None,
     allow_nested: bool = False,
 ) -> SyncSlotContext[W]:
     """Hold one slot in code with no event loop: `with slotwise.sync_slot(limiter=claude):`.
@@ -897,6 +995,7 @@ def sync_slot(
             current run's. With neither, nothing is limited.
         timeout: The longest the thread waits for a slot, in seconds; None: no limit but
             the workload's `max_wait` and the run's budget.
+        tokens: As in `slot()`.
         allow_nested: As in `slot()`.
 
     Raises:
@@ -905,4 +1004,4 @@ def sync_slot(
         ConcurrencyConfigError: on entry, a bad workload, a nested slot, or a limiter that
             cannot block a thread.
     """
-    return SyncSlotContext(workload, limiter, timeout, allow_nested)
+    return SyncSlotContext(workload, limiter, timeout, allow_nested, tokens)

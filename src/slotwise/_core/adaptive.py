@@ -1,0 +1,63 @@
+"""The effective limit under provider pushback (AIMD) and the backoff of a pause, as pure
+arithmetic.
+
+Additive increase, multiplicative decrease: on pushback the effective limit is multiplied by
+``backoff``; after as many successes as the limit (about one round trip of every slot) it
+climbs by one. A burst of refusals of requests that were all in flight before a decrease
+counts once: each lease remembers the ``epoch`` it was granted in, and only leases granted
+since the last decrease can cause the next one (or count as successes for the climb).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+__all__ = ("Aimd", "backoff_delay")
+
+_BACKOFF_BASE = 1.0  # seconds of the first pause without a retry-after
+_BACKOFF_CAP = 60.0
+
+
+def backoff_delay(step: int, jitter: float) -> float:
+    """Seconds of the ``step``-th consecutive pause with no retry-after from the provider:
+    doubling from one second, at most a minute, times ``jitter`` (the shell's random factor,
+    0.75 to 1.25, so that processes pausing together do not resume together)."""
+    return min(_BACKOFF_CAP, _BACKOFF_BASE * 2.0**step) * jitter
+
+
+@attrs.define(kw_only=True)
+class Aimd:
+    """An effective limit between ``floor`` and ``ceiling``."""
+
+    floor: int
+    ceiling: int
+    backoff: float
+    limit: int
+    epoch: int = 0  # decreases so far
+    credit: float = 0.0  # successes toward the next climb, in round trips
+
+    def pushback(self, granted_in: int) -> int | None:
+        """A request granted in epoch ``granted_in`` was refused by the provider: the new
+        limit, or None when it does not change."""
+        if granted_in < self.epoch:
+            return None  # already decreased for the round trip it belonged to
+        lower = max(self.floor, math.floor(self.limit * self.backoff))
+        self.epoch += 1
+        self.credit = 0.0
+        if lower == self.limit:
+            return None
+        self.limit = lower
+        return lower
+
+    def success(self, granted_in: int) -> int | None:
+        """A request granted in epoch ``granted_in`` succeeded: the new limit, or None."""
+        if granted_in < self.epoch or self.limit >= self.ceiling:
+            return None
+        self.credit += 1.0 / self.limit
+        if self.credit < 1.0:
+            return None
+        self.credit -= 1.0
+        self.limit += 1
+        return self.limit

@@ -1,0 +1,113 @@
+"""Token buckets: the rate limits (requests and tokens per period) that share the allocation
+decision with the slots, as pure values with ``now`` passed in.
+
+A bucket holds up to ``capacity`` units and refills continuously at ``capacity / per`` units a
+second, starting full, as providers document their own limits. A grant takes its cost from
+every bucket that applies to it (the limiter's and its workload's); a token count corrected
+after the fact may leave a bucket below zero, which later grants then wait out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+
+import attrs
+
+__all__ = ("Bank", "Bucket", "BucketRule", "Cost", "bucket_key")
+
+# What one request costs: units per bucket kind ("requests", "tokens").
+Cost = Mapping[str, int]
+
+
+def bucket_key(scope: str | None, kind: str) -> str:
+    """The name of a bucket: ``"requests"`` / ``"tokens"`` for the limiter's, and
+    ``"<workload>.requests"`` / ``"<workload>.tokens"`` for a workload's."""
+    return kind if scope is None else f"{scope}.{kind}"
+
+
+@attrs.frozen(kw_only=True)
+class BucketRule:
+    """One bucket's limit: ``capacity`` units per ``per`` seconds."""
+
+    kind: str  # "requests" or "tokens"
+    capacity: int
+    per: float
+
+    @property
+    def per_second(self) -> float:
+        return self.capacity / self.per
+
+
+@attrs.define(kw_only=True)
+class Bucket:
+    """A bucket's level at ``updated`` (it refills from there)."""
+
+    rule: BucketRule
+    level: float
+    updated: float
+
+    def refill(self, now: float) -> None:
+        if now > self.updated:
+            self.level = min(
+                float(self.rule.capacity), self.level + (now - self.updated) * self.rule.per_second
+            )
+            self.updated = now
+
+    def wait(self, cost: int) -> float:
+        """Seconds until the bucket holds ``cost`` units (refilled to ``updated`` already)."""
+        if self.level >= cost:
+            return 0.0
+        if cost > self.rule.capacity:
+            return math.inf
+        return (cost - self.level) / self.rule.per_second
+
+
+class Bank:
+    """Every bucket of a limiter, by key; the buckets a request draws from are its limiter's
+    and its workload's of each kind it has a cost for."""
+
+    __slots__ = ("buckets",)
+
+    def __init__(self, rules: Mapping[str, BucketRule], now: float) -> None:
+        self.buckets = {
+            key: Bucket(rule=rule, level=float(rule.capacity), updated=now)
+            for key, rule in rules.items()
+        }
+
+    def __bool__(self) -> bool:
+        return bool(self.buckets)
+
+    def refill(self, now: float) -> None:
+        for bucket in self.buckets.values():
+            bucket.refill(now)
+
+    def applying(self, workload: str, cost: Cost) -> Iterator[tuple[str, Bucket, int]]:
+        """The buckets a request of ``workload`` with ``cost`` takes from, with its cost
+        in each (buckets it would take nothing from are left out)."""
+        for kind, units in cost.items():
+            if units <= 0:
+                continue
+            for key in (kind, bucket_key(workload, kind)):
+                bucket = self.buckets.get(key)
+                if bucket is not None:
+                    yield key, bucket, units
+
+    def take(self, workload: str, cost: Cost) -> None:
+        for _, bucket, units in self.applying(workload, cost):
+            bucket.level -= units
+
+    def give(self, workload: str, kind: str, units: int) -> None:
+        """Charge ``units`` more (or refund, when negative) of ``kind`` to the buckets of
+        ``workload``; a refund never fills a bucket past its capacity."""
+        for key in (kind, bucket_key(workload, kind)):
+            bucket = self.buckets.get(key)
+            if bucket is not None:
+                bucket.level = min(float(bucket.rule.capacity), bucket.level - units)
+
+    def oversized(self, workload: str, cost: Cost) -> tuple[str, int, BucketRule] | None:
+        """A bucket that can never hold ``cost``: (key, units, its rule), or None."""
+        for key, bucket, units in self.applying(workload, cost):
+            if units > bucket.rule.capacity:
+                return key, units, bucket.rule
+        return None
