@@ -250,7 +250,8 @@ class LimiterState:
         slot back. Idempotent. Returns the tickets granted with the freed capacity."""
         if ticket.lease is not None:
             return self.release(ticket.lease.lease_id, now)
-        if self.queues[ticket.workload].pop(ticket.seq, None) is not None:
+        queue = self.queues.get(ticket.workload)  # gone when reconfigure() refused it
+        if queue is not None and queue.pop(ticket.seq, None) is not None:
             self.queued -= 1
         return []
 
@@ -374,6 +375,10 @@ class LimiterState:
         expires (a workload that is gone keeps its leases, as a workload that can take
         nothing more); the waiters of a workload that is gone are returned to be refused.
         Returns (granted, refused)."""
+        refused: list[Ticket] = []
+        for name in list(self.queues):
+            if name not in rules.workloads:
+                refused += self.queues.pop(name).values()
         retired = {
             name: WorkloadRule(ceiling=0, reserved=0, priority=0)
             for name, held in self.active.items()
@@ -381,10 +386,6 @@ class LimiterState:
         }
         if retired:
             rules = attrs.evolve(rules, workloads={**rules.workloads, **retired})
-        refused: list[Ticket] = []
-        for name in list(self.queues):
-            if name not in rules.workloads:
-                refused += self.queues.pop(name).values()
         for name in rules.workloads:
             self.queues.setdefault(name, OrderedDict())
         self.queued -= len(refused)

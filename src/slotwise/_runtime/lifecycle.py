@@ -608,13 +608,10 @@ def acquire_sync(
     if timeout is not None:
         deadline = start + timeout if deadline is None else min(deadline, start + timeout)
     _wait_started(slot, start, deadline)
+    # A deadline already past means: a free slot now, or a timeout.
+    remaining = None if deadline is None else max(0.0, deadline - start)
     try:
-        lease = take(
-            limiter,
-            slot.workload,
-            None if deadline is None else deadline - start,
-            weakref.ref(slot),
-        )
+        lease = take(limiter, slot.workload, remaining, weakref.ref(slot), slot._tokens)
     except BaseException as exc:
         _failed(slot, exc, time.monotonic() - start, False, KeyboardInterrupt)
     slot.lease = lease
