@@ -170,7 +170,9 @@ def test_plot_without_matplotlib_says_what_to_install(
     code = main(["demo", "--seconds", "1", "--plot", str(path)])
 
     assert code == 2
-    assert "slotwise[plot]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pip install 'slotwise[plot]'" in err
+    assert_fits_and_reads(err)
     assert not path.exists()
 
 

@@ -910,8 +910,8 @@ def main(
     out = sys.stdout if out is None else out
     if plot_path is not None and not plot_available():
         print(
-            "--plot needs matplotlib, which is not installed: "
-            "pip install 'slotwise[plot]' (or pip install matplotlib)",
+            "--plot needs matplotlib, which is not installed:\n"
+            "    pip install 'slotwise[plot]'    (or: pip install matplotlib)",
             file=sys.stderr,
         )
         return 2
