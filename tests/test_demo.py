@@ -1,4 +1,5 @@
-"""``python -m slotwise demo``: the summary shows the limits held, and would show them broken.
+"""``python -m slotwise demo``: the summary shows the limits held, and would show them broken;
+every line fits 80 columns, with numbers a person reads at a glance.
 
 The async tests run on asyncio in real time and on trio with a MockClock (in virtual time).
 """
@@ -6,6 +7,9 @@ The async tests run on asyncio in real time and on trio with a MockClock (in vir
 from __future__ import annotations
 
 import io
+import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,8 +20,13 @@ from slotwise import MemoryLimiter, Workload
 from slotwise.__main__ import main
 from slotwise._demo import (
     MAX_CONCURRENT,
+    WIDTH,
     Tool,
     Variant,
+    figure,
+    fmt_duration,
+    fmt_seconds,
+    intro,
     make_trace,
     run_demo,
     summary,
@@ -32,6 +41,27 @@ BACKENDS = [
         ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)}), id="trio-mockclock"
     ),
 ]
+VIRTUAL_TIME = BACKENDS[1:]
+
+# Cursor moves and line erases of the redrawn view.
+ESCAPES = re.compile(r"\x1b\[\d*[A-Za-z]")
+# What a person should not have to read: 2.66667, 1e-05, nan, None.
+UNREADABLE = re.compile(r"\d\.\d{3,}|\d[eE][+-]?\d|\b(?:nan|inf|None)\b")
+
+
+class Terminal(io.StringIO):
+    """Output that says it is a terminal, so the view redraws itself in place."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def assert_fits_and_reads(text: str) -> None:
+    lines = text.splitlines()
+    assert lines
+    for line in lines:
+        assert len(line) <= WIDTH, f"{len(line)} columns: {line!r}"
+        assert not UNREADABLE.search(line), f"a number for no person: {line!r}"
 
 
 @pytest.mark.parametrize("anyio_backend", BACKENDS)
@@ -99,9 +129,12 @@ def test_command_prints_the_live_view_and_summary(capsys: pytest.CaptureFixture[
 
     out = capsys.readouterr().out
     assert code == 0
-    assert "[t=" in out  # a periodic line, as stdout is not a terminal
-    assert "max in flight" in out
+    assert "   time  workload     in use  queued" in out  # a log, as stdout is not a terminal
+    assert "  1.0 s  interactive" in out
+    assert "             served  in flight  p50 wait  p95 wait  timed out  refused" in out
     assert "Limits held" in out
+    assert "these 1.5 s are 1 min of traffic" in out
+    assert_fits_and_reads(out)
 
 
 def test_command_exits_non_zero_when_a_limit_breaks(
@@ -137,7 +170,9 @@ def test_plot_without_matplotlib_says_what_to_install(
     code = main(["demo", "--seconds", "1", "--plot", str(path)])
 
     assert code == 2
-    assert "slotwise[plot]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pip install 'slotwise[plot]'" in err
+    assert_fits_and_reads(err)
     assert not path.exists()
 
 
@@ -146,3 +181,111 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
         main(["demo", "--seconds", "0"])
     assert exc_info.value.code == 2
     assert "positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("anyio_backend", VIRTUAL_TIME)
+@pytest.mark.parametrize(
+    ("seconds", "tty"),
+    [
+        pytest.param(15.0, True, id="15s-terminal"),
+        pytest.param(15.0, False, id="15s-log"),
+        pytest.param(4.0, True, id="4s-terminal"),
+        pytest.param(7 / 3, False, id="2.33s-log"),
+    ],
+)
+async def test_every_line_fits_80_columns_with_numbers_for_people(
+    seconds: float, tty: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A wide terminal, so that the view's cut to a narrow one hides no long line.
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda *_: os.terminal_size((200, 50)))
+    out = Terminal() if tty else io.StringIO()
+
+    result = await run_demo(seconds=seconds, seed=1, out=out)
+
+    live = ESCAPES.sub("", out.getvalue())
+    text = intro(seconds) + live + "\n" + summary(result)
+    assert_fits_and_reads(text)
+    assert ("\x1b[" in out.getvalue()) is tty
+    if tty:
+        assert "  priority only  " in live  # the replays, in the same columns
+    else:
+        assert live.count("workload") == 1  # the log's header, once
+    assert "What the reservation bought" in text
+    assert "no reservation, one first-come queue" in text
+    example = result.fleets[0].workloads
+    assert sum(w.queue_full for w in example.values()) > 0  # the refused column is filled
+
+
+def test_the_intro_says_durations_as_people_do() -> None:
+    text = intro(4.0)
+
+    assert "these 4 s are 2 min 40 s of traffic" in text
+    assert "max_wait 1 min" in text
+    assert "lasts 1.50 s" in text
+    assert "arrives at 1.6 s" in text
+    assert_fits_and_reads(text)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (15.0, "15 s"),
+        (2.5, "2.5 s"),
+        (7 / 3, "2.3 s"),
+        (59.99, "1 min"),
+        (160.0, "2 min 40 s"),
+        (600.0, "10 min"),
+        (3900.0, "1 h 5 min"),
+    ],
+)
+def test_durations(seconds: float, text: str) -> None:
+    assert fmt_duration(seconds) == text
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (None, "-"),
+        (0.0, "0 ms"),
+        (0.0004, "0 ms"),
+        (0.012, "12 ms"),
+        (0.9996, "1.00 s"),
+        (1.5, "1.50 s"),
+    ],
+)
+def test_waits(seconds: float | None, text: str) -> None:
+    assert fmt_seconds(seconds) == text
+
+
+@pytest.mark.parametrize("anyio_backend", VIRTUAL_TIME)
+async def test_the_picture_shows_every_outcome_on_a_scale_that_fits() -> None:
+    pytest.importorskip("matplotlib", reason="--plot needs slotwise[plot] (matplotlib)")
+    result = await run_demo(seconds=15.0, seed=1, out=io.StringIO())
+
+    _, queued, interactive_queued, *waits = figure(result).axes
+
+    # The interactive queue has a scale of its own, with zero clear of the axis.
+    deepest = max(s.queued["interactive"] for s in result.samples)
+    bottom, top = interactive_queued.get_ylim()
+    assert bottom < 0 < deepest < top <= 2 * max(2, deepest)
+    assert queued.get_ylim()[1] < 2 * 200
+    # One panel of waits for each limiter, so that no comparison hides another.
+    assert len(waits) == len(result.fleets) == 3
+    longest = max(p.wait for f in result.fleets for p in f.points if p.workload == "interactive")
+    assert 1.0 < longest < 2.0  # the interactive max_wait, 1.5 s
+    refused = 0
+    for ax, fleet in zip(waits, result.fleets, strict=True):
+        assert ax.get_ylim()[1] <= 20 * longest  # room for the refusals' row, not 10**3 s
+        labels = [label.get_text() for label in ax.get_yticklabels()]
+        assert labels == ["0", "10 ms", "100 ms", fmt_seconds(longest), "refused"]
+        drawn = {c.get_label(): len(c.get_offsets()) for c in ax.collections}
+        w = fleet.workloads["interactive"]
+        assert drawn["refused"] == w.queue_full
+        assert drawn["timed out"] == w.timeouts
+        refused += w.queue_full
+    assert refused > 0
+    # Refusals on the queue panels too, each workload's on its own.
+    for ax, name in ((queued, "background"), (interactive_queued, "interactive")):
+        count = result.fleets[0].workloads[name].queue_full
+        (ticks,) = [line for line in ax.get_lines() if line.get_label().startswith("refused")]
+        assert len(ticks.get_xdata()) == count

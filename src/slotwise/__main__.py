@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--plot",
         metavar="PATH",
-        help="write a timeline PNG of active and queued requests (needs slotwise[plot])",
+        help="write a PNG of the slots, queues and waits over time (needs slotwise[plot])",
     )
     demo.add_argument(
         "--no-compare",

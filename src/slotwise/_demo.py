@@ -1,9 +1,9 @@
-"""``python -m slotwise demo``: a simulated fleet of agents shares one MemoryLimiter.
+"""`python -m slotwise demo`: a simulated fleet of agents shares one MemoryLimiter.
 
 Everything is offline. Interactive chats and background jobs run agents; an agent's tools
-may start child agents (child runs of ``slotwise.run``). Every provider request holds one
+may start child agents (child runs of `slotwise.run`). Every provider request holds one
 slot, and a simulated provider answers with a lognormal time to first token plus a
-lognormal streaming time. Time runs :data:`SPEEDUP` times faster than real time, so the
+lognormal streaming time. Time runs `SPEEDUP` times faster than real time, so the
 example's waits are scaled by the same factor.
 
 The same trace is replayed, at the same time, against two limiters without the
@@ -18,8 +18,9 @@ import os
 import random
 import shutil
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from typing import TextIO, TypeAlias
+import textwrap
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, TextIO, TypeAlias
 
 import anyio
 import attrs
@@ -38,10 +39,13 @@ from ._events import (
 )
 from .memory import MemoryLimiter
 
-__all__ = ("SPEEDUP", "DemoResult", "main", "run_demo")
+__all__ = ("SPEEDUP", "WIDTH", "DemoResult", "main", "run_demo")
 
 SPEEDUP = 40.0
 """Simulated seconds per second of the demo."""
+
+WIDTH = 78
+"""The widest line the demos print: they fit an 80-column terminal."""
 
 MAX_CONCURRENT = 8
 MAX_QUEUED = 200
@@ -82,7 +86,7 @@ class Call:
 
 @attrs.frozen
 class Tool:
-    """A tool call: ``duration`` of work, or a child agent that runs ``child``."""
+    """A tool call: `duration` of work, or a child agent that runs `child`."""
 
     duration: float
     child: tuple[Step, ...] = ()
@@ -130,7 +134,7 @@ def _agent(rng: random.Random, workload: str, calls: int, child_odds: float) -> 
 
 
 def make_trace(seconds: float, seed: int) -> list[Session]:
-    """Draw the sessions of a demo of ``seconds`` from ``seed``."""
+    """Draw the sessions of a demo of `seconds` from `seed`."""
     rng = random.Random(seed)
     sessions: list[Session] = []
     t = rng.expovariate(CHAT_RATE)
@@ -175,7 +179,7 @@ def variants() -> tuple[Variant, ...]:
     example = example_workloads()
     interactive, background = example["interactive"], example["background"]
     return (
-        Variant(key="example", title="the example workloads", workloads=example),
+        Variant(key="example", title="the example (2 reserved)", workloads=example),
         Variant(
             key="priority-only",
             title="no reservation, priority kept",
@@ -199,6 +203,19 @@ def _by_workload() -> dict[str, int]:
     return dict.fromkeys(WORKLOADS, 0)
 
 
+Outcome: TypeAlias = Literal["granted", "timed out", "refused"]
+
+
+@attrs.frozen
+class Point:
+    """One request's answer: when (demo seconds), for which workload, after how long a wait."""
+
+    at: float
+    workload: str
+    wait: float
+    outcome: Outcome
+
+
 @attrs.define(eq=False)
 class Fleet:
     """The trace played against one limiter, and what the provider and events saw."""
@@ -216,30 +233,33 @@ class Fleet:
     queue_full: dict[str, int] = attrs.field(factory=_by_workload)
     cut_off: dict[str, int] = attrs.field(factory=_by_workload)
     budget_outs: dict[str, int] = attrs.field(factory=_by_workload)
-    # (when, workload, wait, timed out) for the picture
-    wait_points: list[tuple[float, str, float, bool]] = attrs.field(factory=list)
+    # every request's answer, for the picture
+    points: list[Point] = attrs.field(factory=list)
 
     def on_event(self, event: ConcurrencyEvent) -> None:
         workload = event.workload or ""
         if workload not in self.peak:
             return
-        if isinstance(event, AcquiredEvent):
-            self.waits[workload].append(event.wait_time)
-            self.wait_points.append(
-                (anyio.current_time() - self.started, workload, event.wait_time, False)
-            )
-        elif isinstance(event, TimedOutEvent):
-            self.timeouts[workload] += 1
-            self.waits[workload].append(event.wait_time)
-            self.wait_points.append(
-                (anyio.current_time() - self.started, workload, event.wait_time, True)
-            )
-        elif isinstance(event, QueueFullEvent):
-            self.queue_full[workload] += 1
-        elif isinstance(event, WaitCancelledEvent) or (
+        if isinstance(event, WaitCancelledEvent) or (
             isinstance(event, ReleasedEvent) and event.outcome == "cancelled"
         ):
             self.cut_off[workload] += 1
+            return
+        outcome: Outcome
+        if isinstance(event, AcquiredEvent):
+            outcome = "granted"
+        elif isinstance(event, TimedOutEvent):
+            self.timeouts[workload] += 1
+            outcome = "timed out"
+        elif isinstance(event, QueueFullEvent):
+            self.queue_full[workload] += 1
+            outcome = "refused"
+        else:
+            return
+        if outcome != "refused":
+            self.waits[workload].append(event.wait_time)
+        at = anyio.current_time() - self.started
+        self.points.append(Point(at=at, workload=workload, wait=event.wait_time, outcome=outcome))
 
     async def provide(self, workload: str, call: Call) -> None:
         """The simulated provider: counts what is in flight, then answers."""
@@ -284,7 +304,7 @@ class Fleet:
 
 
 def quantile(values: Sequence[float], q: float) -> float | None:
-    """The nearest-rank ``q`` quantile, or None for no values."""
+    """The nearest-rank `q` quantile, or None for no values."""
     if not values:
         return None
     ordered = sorted(values)
@@ -321,7 +341,7 @@ class FleetResult:
     workloads: Mapping[str, WorkloadResult]
     leftover_active: int
     leftover_queued: int
-    wait_points: tuple[tuple[float, str, float, bool], ...]
+    points: tuple[Point, ...]
 
     @property
     def held(self) -> bool:
@@ -380,7 +400,7 @@ async def _result(fleet: Fleet) -> FleetResult:
         },
         leftover_active=stats.active,
         leftover_queued=stats.queued,
-        wait_points=tuple(fleet.wait_points),
+        points=tuple(fleet.points),
     )
 
 
@@ -388,14 +408,49 @@ async def _result(fleet: Fleet) -> FleetResult:
 
 
 def fmt_seconds(value: float | None) -> str:
-    """``12 ms`` or ``1.25 s``; ``-`` for nothing measured."""
+    """A wait for people: `0 ms`, `12 ms`, `1.25 s`; `-` for nothing measured."""
     if value is None:
         return "-"
-    return f"{value * 1000:.0f} ms" if value < 1.0 else f"{value:.2f} s"
+    ms = round(value * 1000)
+    return f"{ms} ms" if ms < 1000 else f"{value:.2f} s"
+
+
+def fmt_duration(seconds: float) -> str:
+    """A length of time for people: `15 s`, `2.5 s`, `2 min 40 s`, `10 min`, `1 h 5 min`."""
+    if round(seconds, 1) < 60:
+        return f"{seconds:.1f}".removesuffix(".0") + " s"
+    minutes, rest = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min" + (f" {rest} s" if rest else "")
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h" + (f" {minutes} min" if minutes else "")
+
+
+def columns(rows: Iterable[Sequence[str]], widths: Sequence[int] | None = None) -> list[str]:
+    """Rows of cells as lines: the first cell left-aligned, the others right-aligned, two
+    spaces apart; each column as wide as `widths` says, else as its widest cell."""
+    rows = list(rows)
+    if widths is None:
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
+
+
+def bar(used: int, ceiling: int, width: int) -> str:
+    """`##....`: the slots in use of a ceiling, padded to `width`."""
+    return ("#" * used + "." * (ceiling - used)).ljust(width)
+
+
+LIVE_HEADER = ("in use", "queued", "p50 wait", "p95 wait", "timed out", "refused")
 
 
 class LiveView:
-    """The example limiter's workloads, redrawn in place on a terminal, else printed as lines."""
+    """The limiters' workloads, redrawn in place on a terminal, else printed as a log."""
 
     def __init__(self, out: TextIO, fleets: Sequence[Fleet], seconds: float) -> None:
         self.out = out
@@ -404,51 +459,57 @@ class LiveView:
         self.tty = out.isatty()
         self.drawn = 0
 
+    async def row(self, label: str, fleet: Fleet, name: str) -> tuple[str, ...]:
+        """A workload's live figures, as `LIVE_HEADER` names them; on a terminal, with a bar."""
+        w = (await fleet.limiter.stats()).workloads[name]
+        ceiling = fleet.variant.workloads[name].max_concurrent or MAX_CONCURRENT
+        in_use = f"{w.active}/{ceiling}"
+        if self.tty:
+            in_use += " " + bar(w.active, ceiling, MAX_CONCURRENT)
+        waits = fleet.waits[name]
+        return (
+            label,
+            in_use,
+            str(w.queued),
+            fmt_seconds(quantile(waits, 0.5)),
+            fmt_seconds(quantile(waits, 0.95)),
+            str(fleet.timeouts[name] + fleet.budget_outs[name]),
+            str(fleet.queue_full[name]),
+        )
+
     async def draw(self, elapsed: float) -> None:
         main = self.fleets[0]
-        stats = await main.limiter.stats()
-        clock = f"t={elapsed:5.1f}/{self.seconds:g} s"
         if not self.tty:
-            parts = []
+            # A log: a row a workload each time, under a header printed once.
+            rows: list[tuple[str, ...]] = []
+            if not self.drawn:
+                rows.append((f"{'time':>7}  workload", *LIVE_HEADER))
             for name in WORKLOADS:
-                w = stats.workloads[name]
-                part = (
-                    f"{name} {w.active}/{w.max_concurrent} active, {w.queued} queued, "
-                    f"p95 wait {fmt_seconds(quantile(main.waits[name], 0.95))}"
-                )
-                lost = main.timeouts[name] + main.budget_outs[name]
-                part += f", {lost} timed out" if lost else ""
-                full = main.queue_full[name]
-                part += f", {full} refused" if full else ""
-                parts.append(part)
-            self.out.write(f"[{clock}] " + " | ".join(parts) + "\n")
+                rows.append(await self.row(f"{elapsed:5.1f} s  {name}", main, name))
+            widths = (20, 6, 6, 8, 8, 9, 7)
+            self.out.write("".join(f"{line}\n" for line in columns(rows, widths)))
+            self.drawn += 1
             self.out.flush()
             return
+        stats = await main.limiter.stats()
         lines = [
-            f"{clock}  limiter {main.limiter.name!r}: {stats.active}/{stats.max_concurrent} "
-            f"active, {stats.queued}/{MAX_QUEUED} queued"
+            f"t={elapsed:4.1f} s of {fmt_duration(self.seconds)}   limiter {main.limiter.name!r}: "
+            f"{stats.active}/{stats.max_concurrent} in use, {stats.queued}/{MAX_QUEUED} queued"
         ]
-        for name in WORKLOADS:
-            w = stats.workloads[name]
-            waits = main.waits[name]
-            ceiling = w.max_concurrent or stats.max_concurrent or 0
-            bar = "#" * w.active + "." * (ceiling - w.active)
+        header = ("", LIVE_HEADER[0].ljust(12), *LIVE_HEADER[1:])  # over the count, not the bar
+        rows = [header] + [await self.row(name, main, name) for name in WORKLOADS]
+        replays = [
+            await self.row("  " + fleet.variant.key.replace("-", " "), fleet, "interactive")
+            for fleet in self.fleets[1:]
+        ]
+        table = columns([*rows, *replays], (15, 12, 6, 8, 8, 9, 7))
+        lines += table[: len(rows)]
+        if replays:
             lines.append(
-                f"  {name:<11} {w.active}/{ceiling} [{bar:<8}] queued {w.queued:>3}  "
-                f"wait p50 {fmt_seconds(quantile(waits, 0.5)):>7} "
-                f"p95 {fmt_seconds(quantile(waits, 0.95)):>7}  "
-                f"timeouts {main.timeouts[name] + main.budget_outs[name]:>3}  "
-                f"queue full {main.queue_full[name]:>3}"
+                f"Interactive, the same load on {MAX_CONCURRENT} slots without the reservation:"
             )
-        for fleet in self.fleets[1:]:
-            waits = fleet.waits["interactive"]
-            lost = fleet.timeouts["interactive"] + fleet.budget_outs["interactive"]
-            lines.append(
-                f"  same load, {fleet.variant.title}: interactive p95 wait "
-                f"{fmt_seconds(quantile(waits, 0.95))}, {lost} timed out, "
-                f"{fleet.queue_full['interactive']} refused"
-            )
-        # A wrapped line would break the redraw: cut lines to the terminal's width.
+            lines += table[len(rows) :]
+        # A wrapped line would break the redraw: cut lines to a narrower terminal's width.
         width = shutil.get_terminal_size().columns - 1
         if self.drawn:
             self.out.write(f"\x1b[{self.drawn}F")
@@ -484,10 +545,10 @@ async def run_demo(
         seconds: How long the fleet runs; at the end it is cancelled.
         seed: Seeds the trace.
         compare: Replay the same trace against limiters without the reservation.
-        out: Where the live view goes; default: ``sys.stdout``.
-        configs: The configurations to play (default: :func:`variants`); the limits
+        out: Where the live view goes; default: `sys.stdout`.
+        configs: The configurations to play (default: `variants()`); the limits
             checked are theirs.
-        make_limiter: Builds each configuration's limiter (default: a ``MemoryLimiter``
+        make_limiter: Builds each configuration's limiter (default: a `MemoryLimiter`
             with its workloads); tests pass a looser one to see a broken limit reported.
     """
     out = sys.stdout if out is None else out
@@ -548,83 +609,78 @@ async def run_demo(
 # -- the summary ------------------------------------------------------------------------------
 
 
+def _fill(text: str) -> str:
+    return textwrap.fill(text, WIDTH)
+
+
 def summary(result: DemoResult) -> str:
-    """The table and the sentences printed at the end."""
+    """The tables and the sentences printed at the end."""
     main = result.fleets[0]
-    rows = [
-        (
-            "workload",
-            "served",
-            "max in flight",
-            "reserved",
-            "p50 wait",
-            "p95 wait",
-            "timeouts",
-            "queue full",
-            "cut off",
-        ),
-    ]
+    workloads = main.workloads.values()
+
+    def in_flight(peak: int, limit: int) -> str:
+        return f"{peak}/{limit}" + ("" if peak <= limit else " over")
+
+    rows = [("", "served", "in flight", "p50 wait", "p95 wait", "timed out", "refused")]
     for name, w in main.workloads.items():
         rows.append(
             (
                 name,
                 str(w.served),
-                f"{w.peak}/{w.limit} {'ok' if w.held else 'EXCEEDED'}",
-                str(w.reserved),
+                in_flight(w.peak, w.limit),
                 fmt_seconds(quantile(w.waits, 0.5)),
                 fmt_seconds(quantile(w.waits, 0.95)),
                 str(w.timeouts + w.budget_outs),
                 str(w.queue_full),
-                str(w.cut_off),
             )
         )
-    held_total = main.peak_total <= main.max_concurrent
     rows.append(
         (
             "all",
-            str(sum(w.served for w in main.workloads.values())),
-            f"{main.peak_total}/{main.max_concurrent} {'ok' if held_total else 'EXCEEDED'}",
-            str(sum(w.reserved for w in main.workloads.values())),
+            str(sum(w.served for w in workloads)),
+            in_flight(main.peak_total, main.max_concurrent),
             "",
             "",
-            str(sum(w.timeouts + w.budget_outs for w in main.workloads.values())),
-            str(sum(w.queue_full for w in main.workloads.values())),
-            str(sum(w.cut_off for w in main.workloads.values())),
+            str(sum(w.timeouts + w.budget_outs for w in workloads)),
+            str(sum(w.queue_full for w in workloads)),
         )
     )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    table = [
-        "  ".join(
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
-    lines = [
-        "",
-        f"Summary ({result.seconds:g} s, seed {result.seed}, limiter 'claude'):",
-        *table,
-        "(waits count the requests that timed out; cut off: waiting or in flight when the "
-        "fleet was cancelled at the end)",
-        "",
-    ]
+    cut_off = sum(w.cut_off for w in workloads)
     background = main.workloads["background"]
     if main.held:
-        lines.append(
+        verdict = (
             f"Limits held: at most {main.peak_total} of {main.max_concurrent} requests were in "
             f"flight at the provider, and background at most {background.peak} of its "
-            f"{background.limit}; every slot came back when the fleet was cancelled."
+            f"{background.limit}. When the demo ended, {cut_off} requests were cut off "
+            f"(waiting or in flight), and every slot came back."
         )
     else:
-        lines.append(
+        verdict = (
             f"LIMIT EXCEEDED: {main.peak_total} in flight for a limit of {main.max_concurrent}; "
             + ", ".join(f"{n} {w.peak}/{w.limit}" for n, w in main.workloads.items())
             + f"; left over: {main.leftover_active} active, {main.leftover_queued} queued."
         )
-    lines.append(bought(result))
+    lines = [
+        "",
+        _fill(
+            f"Summary: {fmt_duration(result.seconds)}, {fmt_duration(result.seconds * SPEEDUP)} "
+            f"of traffic (seed {result.seed}), limiter 'claude':"
+        ),
+        "",
+        *columns(rows),
+        "",
+        _fill(
+            "In flight: the most requests at the provider at once, of the limit. The waits "
+            "count the requests that timed out; refused: the queue was full."
+        ),
+        "",
+        _fill(verdict),
+        "",
+        bought(result),
+    ]
     for fleet in result.fleets[1:]:
         if not fleet.held:
-            lines.append(f"LIMIT EXCEEDED in the replay with {fleet.title}.")
+            lines.append(_fill(f"LIMIT EXCEEDED in the replay with {fleet.title}."))
     return "\n".join(lines)
 
 
@@ -636,36 +692,40 @@ def at_once(w: WorkloadResult) -> str:
 
 
 def bought(result: DemoResult) -> str:
-    """The sentences that say what the reservation bought the interactive workload."""
+    """What the reservation bought the interactive workload: a table of the replays."""
     main = result.fleets[0]
-    interactive = main.workloads["interactive"]
-
-    def said(w: WorkloadResult) -> str:
-        return (
-            f"{at_once(w)} started at once, p95 wait {fmt_seconds(quantile(w.waits, 0.95))}, "
-            f"{w.timeouts + w.budget_outs} timed out, {w.queue_full} refused"
-        )
-
-    background = quantile(main.workloads["background"].waits, 0.95)
-    text = (
-        f"What the reservation bought: on the {interactive.reserved} slots background work "
-        f"cannot take, interactive requests had {said(interactive)} (background p95 wait "
-        f"{fmt_seconds(background)})."
-    )
     replays = result.fleets[1:]
+    rows = [("", "at once", "p95 wait", "timed out", "refused")]
+    for fleet in result.fleets:
+        w = fleet.workloads["interactive"]
+        rows.append(
+            (
+                fleet.title,
+                at_once(w),
+                fmt_seconds(quantile(w.waits, 0.95)),
+                str(w.timeouts + w.budget_outs),
+                str(w.queue_full),
+            )
+        )
+    reserved = main.workloads["interactive"].reserved
     if replays:
-        others = "; ".join(f"{f.title}: {said(f.workloads['interactive'])}" for f in replays)
-        text += (
-            f" The same load, replayed at the same time on {main.max_concurrent} slots "
-            f"without the reservation (background work may take them all), gave "
-            f"interactive requests: {others}."
+        heading = (
+            f"What the reservation bought: the same load, replayed at the same time on "
+            f"{main.max_concurrent} slots without it (background work may then take them "
+            f"all), gave interactive requests:"
         )
+    else:
+        heading = (
+            f"What the reservation bought: on the {reserved} slots background work cannot "
+            f"take, interactive requests had:"
+        )
+    notes = "At once: the share of requests that got a slot without waiting."
     if any(f.workloads["interactive"].queue_full for f in result.fleets):
-        text += (
-            " Refused means the queue was full: max_queued counts every workload's waiters, "
-            "and a reservation keeps slots, not places in the queue."
+        notes += (
+            " Interactive requests were refused because max_queued counts every "
+            "workload's waiters, and a reservation keeps slots, not places in the queue."
         )
-    return text
+    return "\n".join([_fill(heading), "", *columns(rows), "", _fill(notes)])
 
 
 # -- the picture ------------------------------------------------------------------------------
@@ -676,21 +736,33 @@ def plot_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def plot(result: DemoResult, path: str) -> None:
-    """Write the example limiter's timeline, and the interactive waits of every replay, as a PNG."""
+def figure(result: DemoResult) -> Any:
+    """The picture: the example limiter's slots and queues, then every limiter's
+    interactive waits, each in a panel of its own on one scale."""
     from matplotlib.figure import Figure  # type: ignore[import-not-found, unused-ignore]
 
     colors = {"interactive": "tab:orange", "background": "tab:blue"}
     main = result.fleets[0]
     samples = result.samples
     t = [s.t for s in samples]
-    stack = ("background", "interactive")  # background at the bottom, to show its ceiling
-    fig = Figure(figsize=(10, 8.5), layout="constrained")
-    active, queued, waits = fig.subplots(3, 1, sharex=True)
+    replays = len(result.fleets) - 1
+    fig = Figure(figsize=(10, 9 + 1.6 * replays), layout="constrained")
+    axes = fig.subplots(
+        3 + len(result.fleets),
+        1,
+        sharex=True,
+        height_ratios=[3, 2, 1.2] + [1.5] * len(result.fleets),
+    )
+    active, queued, interactive_queued, *waits = axes
     fig.suptitle(
         f"slotwise demo: one MemoryLimiter, {main.max_concurrent} slots, "
-        f"{result.seconds:g} s, seed {result.seed}"
+        f"{fmt_duration(result.seconds)}, seed {result.seed}"
     )
+    batch = result.seconds * BATCH_AT
+    for ax in axes:
+        ax.axvline(batch, color="grey", linestyle=":", linewidth=1)
+
+    stack = ("background", "interactive")  # background at the bottom, to show its ceiling
     active.stackplot(
         t,
         *[[s.active[w] for s in samples] for w in stack],
@@ -708,51 +780,121 @@ def plot(result: DemoResult, path: str) -> None:
     )
     active.set_ylim(0, main.max_concurrent + 1.5)
     active.set_ylabel("slots in use")
-    active.set_title("example workloads: interactive reserved 2, priority 10; background ceiling 6")
+    active.set_title(
+        f"slots in use, {main.title}; a batch of {BATCH_SIZE} jobs arrives at the dotted line",
+        loc="left",
+        fontsize="medium",
+    )
     active.legend(loc="upper left", fontsize="small", ncols=4)
-    for w in WORKLOADS:
-        queued.step(
-            t, [s.queued[w] for s in samples], where="post", color=colors[w], label=f"{w} queued"
+
+    # Each workload's queue on its own scale; a refusal is a tick above it.
+    for ax, name, top in (
+        (queued, "background", MAX_QUEUED),
+        (interactive_queued, "interactive", max(2, *(s.queued["interactive"] for s in samples))),
+    ):
+        depth = [s.queued[name] for s in samples]
+        ax.fill_between(t, depth, step="post", color=colors[name], alpha=0.3, linewidth=0)
+        ax.step(t, depth, where="post", color=colors[name], label=f"{name} queued")
+        refused = [p.at for p in main.points if p.workload == name and p.outcome == "refused"]
+        ax.plot(
+            refused,
+            [top * 1.15] * len(refused),
+            linestyle="none",
+            marker="|",
+            markersize=8,
+            color="tab:red",
+            label=f"refused, queue full ({len(refused)})",
         )
-    queued.axhline(MAX_QUEUED, color="black", linestyle="--", linewidth=1, label="max_queued")
-    queued.set_ylim(0, MAX_QUEUED * 1.25)
-    queued.set_ylabel("waiting requests")
-    queued.legend(loc="upper left", fontsize="small", ncols=3)
-    looks = {"example": ("o", "black"), "priority-only": ("s", "tab:purple")}
-    for fleet in result.fleets:
-        marker, color = looks.get(fleet.key, ("^", "tab:red"))
-        figures = fleet.workloads["interactive"]
-        lost = figures.timeouts + figures.budget_outs
-        for timed_out in (False, True):
-            points = [
-                (at, wait)
-                for at, w, wait, out in fleet.wait_points
-                if w == "interactive" and out is timed_out
-            ]
-            if timed_out and not points:
-                continue
-            waits.scatter(
-                [p[0] for p in points],
-                [p[1] for p in points],
-                s=40 if timed_out else 12,
-                marker="X" if timed_out else marker,
+        ax.set_ylim(-0.06 * top, top * 1.35)  # zero stands clear of the axis
+        ax.set_ylabel("waiting")
+    queued.axhline(
+        MAX_QUEUED, color="black", linestyle="--", linewidth=1, label="max_queued (all workloads)"
+    )
+    queued.legend(loc="center left", fontsize="small")
+    interactive_queued.legend(loc="center left", fontsize="small", ncols=2)
+    queued.set_title("background: requests waiting for a slot", loc="left", fontsize="medium")
+    interactive_queued.set_title(
+        "interactive: requests waiting for a slot (its own scale)", loc="left", fontsize="medium"
+    )
+    interactive_queued.yaxis.get_major_locator().set_params(integer=True)
+
+    # Interactive waits, one panel a limiter on one scale: waits as dots, time-outs as
+    # crosses, refusals as ticks in a row above.
+    interactive = [[p for p in f.points if p.workload == "interactive"] for f in result.fleets]
+    longest = max([0.1] + [p.wait for mine in interactive for p in mine])
+    lane = longest * 8
+    ticks = [0.0, *(10.0**k for k in range(-2, 3) if 10.0**k <= longest / 2), longest]
+    for ax, fleet, mine in zip(waits, result.fleets, interactive, strict=True):
+        for outcome, marker, size, color in (
+            ("granted", "o", 12, colors["interactive"]),
+            ("timed out", "X", 40, "tab:red"),
+            ("refused", "|", 60, "tab:red"),
+        ):
+            points = [p for p in mine if p.outcome == outcome]
+            ax.scatter(
+                [p.at for p in points],
+                [lane if outcome == "refused" else p.wait for p in points],
+                s=size,
+                marker=marker,
                 color=color,
-                label=(
-                    f"{fleet.title}: timed out"
-                    if timed_out
-                    else f"{fleet.title} ({lost} timed out, {figures.queue_full} refused)"
-                ),
+                label=outcome,
             )
-    waits.set_yscale("symlog", linthresh=0.01)
-    waits.set_ylim(0, 1000)  # room for the legend above the points
-    waits.set_ylabel("wait (s)")
-    waits.set_title("interactive waits, same load on each limiter")
-    waits.set_xlabel("demo time (s)")
-    waits.legend(loc="upper left", fontsize="small")
-    fig.savefig(path, dpi=100)
+        w = fleet.workloads["interactive"]
+        ax.set_title(
+            f"interactive waits, {fleet.title}: {at_once(w)} at once, p95 wait "
+            f"{fmt_seconds(quantile(w.waits, 0.95))}, {w.timeouts + w.budget_outs} timed out, "
+            f"{w.queue_full} refused",
+            loc="left",
+            fontsize="medium",
+        )
+        ax.set_yscale("symlog", linthresh=0.01)
+        ax.set_ylim(-0.004, lane * 2)
+        ax.set_yticks([*ticks, lane], labels=["0", *map(fmt_seconds, ticks[1:]), "refused"])
+        ax.set_ylabel("wait")
+    waits[0].legend(loc="center left", fontsize="small", ncols=3)
+    waits[-1].set_xlabel("demo time (s)")
+    return fig
+
+
+def plot(result: DemoResult, path: str) -> None:
+    """Write the picture of `figure()` as a PNG."""
+    figure(result).savefig(path, dpi=100)
 
 
 # -- the command ------------------------------------------------------------------------------
+
+
+def intro(seconds: float) -> str:
+    """What the demo is about to show, printed before it starts."""
+    settings = example_workloads()
+    interactive, background = settings["interactive"], settings["background"]
+
+    def simulated(wait: float | None) -> str:
+        return fmt_duration((wait or 0.0) * SPEEDUP)
+
+    return "\n".join(
+        [
+            _fill(
+                f"slotwise demo: chats and background agents, whose tools start child runs, "
+                f"share one MemoryLimiter of {MAX_CONCURRENT} slots and a queue of at most "
+                f"{MAX_QUEUED} requests:"
+            ),
+            f"  interactive  reserved {interactive.reserved}, priority {interactive.priority}, "
+            f"max_wait {simulated(interactive.max_wait)}",
+            f"  background   max_concurrent {background.max_concurrent}, "
+            f"max_wait {simulated(background.max_wait)}",
+            _fill(
+                f"The provider is simulated (a lognormal time to first token, then streaming). "
+                f"Time runs {SPEEDUP:g} times faster: these {fmt_duration(seconds)} are "
+                f"{fmt_duration(seconds * SPEEDUP)} of traffic, and every wait is scaled alike "
+                f"(a max_wait of {simulated(interactive.max_wait)} lasts "
+                f"{fmt_seconds(interactive.max_wait)}). A batch of {BATCH_SIZE} background jobs "
+                f"arrives at {fmt_duration(seconds * BATCH_AT)}."
+            ),
+            "",
+            "",
+        ]
+    )
 
 
 def main(
@@ -768,25 +910,15 @@ def main(
     out = sys.stdout if out is None else out
     if plot_path is not None and not plot_available():
         print(
-            "--plot needs matplotlib, which is not installed: "
-            "pip install 'slotwise[plot]' (or pip install matplotlib)",
+            "--plot needs matplotlib, which is not installed:\n"
+            "    pip install 'slotwise[plot]'    (or: pip install matplotlib)",
             file=sys.stderr,
         )
         return 2
     if plot_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(plot_path))):
         print(f"--plot: the folder of {plot_path} does not exist", file=sys.stderr)
         return 2
-    settings = example_workloads()
-    out.write(
-        f"slotwise demo: chats and background agents (tools start child runs) share one "
-        f"MemoryLimiter: {MAX_CONCURRENT} slots, max_queued {MAX_QUEUED}.\n"
-        f"  interactive: reserved 2, priority 10, max_wait {fmt_seconds(settings['interactive'].max_wait)}\n"
-        f"  background:  max_concurrent 6, max_wait {fmt_seconds(settings['background'].max_wait)}\n"
-        f"The provider is simulated (lognormal time to first token plus streaming) and time "
-        f"runs {SPEEDUP:g}x faster: {seconds:g} s here are {seconds * SPEEDUP / 60:g} minutes "
-        f"of traffic, and the example's waits (60 s, 300 s) are scaled alike. A batch of "
-        f"{BATCH_SIZE} background jobs arrives at {seconds * BATCH_AT:g} s.\n\n"
-    )
+    out.write(intro(seconds))
     out.flush()
     result = anyio.run(
         lambda: run_demo(seconds=seconds, seed=seed, compare=compare, out=out), backend=backend

@@ -1,4 +1,4 @@
-"""``python -m slotwise demo tools``: two agents' tool calls share one ToolBox's pools.
+"""`python -m slotwise demo tools`: two agents' tool calls share one ToolBox's pools.
 
 Everything is offline: the tools sleep instead of calling anything. A chat agent and a batch
 agent each send a few batches of tool calls (what a model's responses would ask for) to one
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import textwrap
 from collections import Counter
 from typing import Any, TextIO
 
@@ -22,6 +23,7 @@ import attrs
 import slotwise
 
 from ._config import Workload
+from ._demo import WIDTH, bar, columns
 from ._events import ConcurrencyEvent
 from .memory import MemoryLimiter
 from .tools import (
@@ -43,7 +45,17 @@ POOLS: dict[str, Workload] = {
     "payments": Workload(max_concurrent=1, reserved=1, max_wait=0),
     "default": Workload(max_wait=30.0),
 }
-WIDTH = 78  # the demo's lines fit 80 columns
+
+
+def ceilings() -> dict[str, int]:
+    """The most calls each pool can run at once: its own ceiling, else what the global limit
+    leaves once the other pools' reserved slots are kept."""
+    return {
+        pool: w.max_concurrent
+        or MAX_CONCURRENT - sum(o.reserved for name, o in POOLS.items() if name != pool)
+        for pool, w in POOLS.items()
+    }
+
 
 # The agents' turns: (seconds after the agent's previous turn ended, the calls of one model
 # response as (tool, arguments)). Times are seconds at speed 1.
@@ -170,23 +182,31 @@ class View:
             self.out.flush()
             return
         elapsed = anyio.current_time() - self.started
-        total = sum(board.running.values())
-        lines = [
-            f"t={elapsed:4.1f} s   running / ceiling   waiting   done   refused",
-        ]
-        for pool, settings in POOLS.items():
-            ceiling = settings.max_concurrent or MAX_CONCURRENT
+        rows = [(f"t={elapsed:.1f} s", f"{'running':<8}", "waiting", "done", "refused")]
+        for pool, ceiling in ceilings().items():
             running = board.running[pool]
-            bar = ("#" * running + "." * (ceiling - running)).ljust(MAX_CONCURRENT)
-            lines.append(
-                f"  {pool:<10} [{bar}] {running}/{ceiling}      {board.waiting[pool]:>3}"
-                f"     {board.done[pool]:>3}    {board.refused[pool]:>3}"
+            rows.append(
+                (
+                    f"  {pool}",
+                    f"{running}/{ceiling} {bar(running, ceiling, MAX_CONCURRENT)}",
+                    str(board.waiting[pool]),
+                    str(board.done[pool]),
+                    str(board.refused[pool]),
+                )
             )
-        bar = "#" * total + "." * (MAX_CONCURRENT - total)
-        lines.append(f"  {'all pools':<10} [{bar}] {total}/{MAX_CONCURRENT}")
-        lines.append("")
+        total = sum(board.running.values())
+        rows.append(
+            (
+                "  all pools",
+                f"{total}/{MAX_CONCURRENT} {bar(total, MAX_CONCURRENT, MAX_CONCURRENT)}",
+                "",
+                "",
+                "",
+            )
+        )
+        lines = [*columns(rows, (11, 8, 7, 4, 7)), ""]
         lines += (board.log[-8:] + [""] * 8)[:8]
-        width = min(WIDTH, shutil.get_terminal_size().columns - 1)
+        width = shutil.get_terminal_size().columns - 1  # a narrower terminal: no wrapping
         if self.drawn:
             self.out.write(f"\x1b[{self.drawn}F")
         self.out.write("".join(f"\x1b[2K{line[:width]}\n" for line in lines))
@@ -254,24 +274,25 @@ async def run_demo(*, out: TextIO, speed: float = 1.0) -> DemoResult:
         view.draw()
     finally:
         unsubscribe()
-    ceilings = {pool: w.max_concurrent or MAX_CONCURRENT for pool, w in POOLS.items()}
     pool_of = {name: tool.pool for name, tool in box.tools.items()}
-    return DemoResult(calls=calls, results=results, board=board, pools=ceilings, pool_of=pool_of)
+    return DemoResult(calls=calls, results=results, board=board, pools=ceilings(), pool_of=pool_of)
 
 
 def summary(result: DemoResult, speed: float = 1.0) -> str:
     """Every call's result, then whether the limits held."""
     lines = ["", "Results (what goes back to the model, call by call):", ""]
-    lines.append(f"  {'call':<5} {'tool':<15} {'pool':<9} {'result':<17} {'waited':>6} {'ran':>5}")
+    lines.append(f"  {'call':<5} {'tool':<15} {'pool':<9} {'result':<17} {'waited':>6} {'ran':>6}")
     for agent in TURNS:
         for batch, batch_results in zip(result.calls[agent], result.results[agent], strict=True):
             for call, res in zip(batch, batch_results, strict=True):
                 outcome: str = res.error or "done"
                 if res.effect == "unknown":
                     outcome += " (effect?)"
+                started = res.error is None or res.duration > 0
+                ran = f"{res.duration * speed:.1f} s" if started else "-"
                 lines.append(
                     f"  {call.id:<5} {call.name:<15} {result.pool_of[call.name]:<9} {outcome:<17} "
-                    f"{res.wait_time * speed:>5.1f}s {res.duration * speed:>4.1f}s"
+                    f"{res.wait_time * speed:>4.1f} s {ran:>6}"
                 )
     board = result.board
     peaks = ", ".join(
@@ -287,20 +308,22 @@ def summary(result: DemoResult, speed: float = 1.0) -> str:
         "A refused call never ran and is not retried; the model reads why.",
         "A call whose pool was full waited, holding no slot of the global limit.",
     ]
-    return "\n".join(line[:WIDTH] for line in lines)
+    return "\n".join(lines)
 
 
 def main(*, backend: str = "asyncio", out: TextIO | None = None, speed: float = 1.0) -> int:
     """Run the demo and print its summary; returns the exit code (1 if a limit broke)."""
     out = sys.stdout if out is None else out
-    out.write(
-        "slotwise demo tools: a chat agent and a batch agent send their tool calls to\n"
-        f"one shared ToolBox. Global limit {MAX_CONCURRENT}; pools (workloads of its limiter):\n"
-        "  search 1, customers 2, default up to 3, payments 1: a slot kept for payments\n"
-        "  alone, which never wait (max_wait=0): a payment asked for while one runs is\n"
-        "  refused.\n"
-        "Each call holds one slot, admitted for the pool and the global limit at once.\n\n"
+    pools = ", ".join(f"{pool} {ceiling}" for pool, ceiling in ceilings().items())
+    paragraphs = (
+        "slotwise demo tools: a chat agent and a batch agent send their tool calls to one "
+        f"shared ToolBox, under a global limit of {MAX_CONCURRENT} calls at once and pools "
+        f"(the workloads of its limiter) that run at most: {pools}.",
+        "One slot is kept for payments, which never wait (max_wait=0): a payment asked for "
+        "while another runs is refused at once. Each call holds one slot, admitted for its "
+        "pool and the global limit together.",
     )
+    out.write("\n".join(textwrap.fill(text, WIDTH) for text in paragraphs) + "\n\n")
     out.flush()
     result = anyio.run(lambda: run_demo(out=out, speed=speed), backend=backend)
     out.write(summary(result, speed) + "\n")
