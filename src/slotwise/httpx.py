@@ -494,7 +494,10 @@ class _SlotTransport:
 
     def _respond(self, attempt: _Attempt, response: Any, stream_class: type) -> Outcome | None:
         """Give `response` a body that holds the attempt's slot until it ends; or, when the
-        body is already in memory (a mock, a cache), the outcome of the finished exchange."""
+        body is already in memory (a mock, a cache), the outcome of the finished exchange.
+
+        The one place, for both faces, where an attempt learns from its response (its status
+        now; what else a response tells the limiter belongs here too)."""
         attempt.failed = response.status_code >= 400
         if isinstance(response.stream, self._in_memory):
             return "failed" if attempt.failed else "completed"
