@@ -4,7 +4,7 @@ Options:
     --tiny             a few iterations of everything: proves the benchmarks run, measures
                        nothing worth reading.
     --only NAME        run one section (repeatable): uncontended, hand-off, cancellation,
-                       memory, allocation, tools.
+                       memory, allocation, tools, sync.
     --backend NAME     asyncio, trio or all. By default the uncontended cycle runs on both
                        and the other sections on asyncio, whose asyncio.Semaphore they compare
                        with; ``all`` runs every section on both.
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from . import allocation, cancellation, handoff, memory, tools, uncontended
+from . import allocation, cancellation, handoff, memory, sync, tools, uncontended
 from ._harness import ANYIO, ASYNCIO_SEMAPHORE, FULL, SLOTWISE, TINY, Row, Size
 
 SECTIONS: dict[str, Callable[[Size, list[str]], list[Row]]] = {
@@ -31,6 +31,7 @@ SECTIONS: dict[str, Callable[[Size, list[str]], list[Row]]] = {
     "memory": memory.run,
     "allocation": allocation.run,
     "tools": tools.run,
+    "sync": sync.run,
 }
 TITLES = {
     "uncontended": "Uncontended slot cycle: `async with` enter+exit, limit 8, never full "
@@ -43,6 +44,9 @@ TITLES = {
     f"limit {allocation.LIMIT} (higher is better)",
     "tools": f"One batch of {tools.CALLS:,} tool calls that return at once, over {tools.POOLS} "
     f"pools, cost per call (lower is better; goal: within {tools.GOAL:g}x)",
+    "sync": "Threads: `with limiter.sync_slot()` uncontended, limit 8 (lower us/cycle is better), "
+    f"and the hand-off between N threads behind a full limit of {sync.LIMIT} (higher grants/s "
+    f"is better), against {sync.SEMAPHORE} doing the same",
 }
 
 

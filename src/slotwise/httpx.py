@@ -3,13 +3,15 @@
 The official `openai` and `anthropic` SDKs send every request, each retry included, through
 the `http_client` they are given. Give them one from here and each attempt holds a slot from
 the moment it is sent until its response body has been read to the end or closed, streaming
-included, by whichever task closes it:
+included, by whichever task or thread closes it:
 
 ```python
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, OpenAI
 import slotwise.httpx
 
 openai = AsyncOpenAI(http_client=slotwise.httpx.client(limiter=claude, workload="interactive"))
+# In code with no event loop (Django, Flask, Celery, scripts), the sync SDK clients:
+openai_sync = OpenAI(http_client=slotwise.httpx.sync_client(limiter=claude))
 ```
 
 A slot covers one attempt: the SDK's backoff sleeps between retries hold none. A response
@@ -29,9 +31,14 @@ import contextlib
 import importlib
 import logging
 import math
+import os
+import queue
 import sys
+import threading
+import time
 import weakref
-from functools import cache
+from collections.abc import Callable
+from functools import cache, partial
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -39,13 +46,15 @@ import anyio
 
 from . import ConcurrencyError, Outcome, ReclaimedEvent, Slot, acquire, current_run
 from ._config import seconds
-from ._runtime.loop import Start, later, loop_identity, now, spawn
+from ._errors import ConcurrencyConfigError
+from ._runtime.lifecycle import acquire_sync, outcome_of
+from ._runtime.loop import later, loop_identity, now, spawn
 
 if TYPE_CHECKING:
     import httpx
     import httpx2
 
-__all__ = ("client", "transport", "wrap")
+__all__ = ("client", "sync_client", "transport", "wrap")
 
 T = TypeVar("T")
 
@@ -53,7 +62,7 @@ _logger = logging.getLogger("slotwise")
 _STACKS = ("httpx2", "httpx")
 # What each stack's package is installed with.
 _INSTALL = {"httpx2": "pip install 'slotwise[httpx]'", "httpx": "pip install httpx"}
-# The connection pool of the SDKs' own clients (`DefaultAsyncHttpxClient`).
+# The connection pool of the SDKs' own clients (`DefaultHttpxClient`, `DefaultAsyncHttpxClient`).
 _SDK_MAX_CONNECTIONS = 1000
 _SDK_MAX_KEEPALIVE = 100
 # The SDKs' base error classes: each SDK raises an error of its own class unchanged and
@@ -61,6 +70,7 @@ _SDK_MAX_KEEPALIVE = 100
 _SDK_ERRORS = (("openai", "OpenAIError"), ("anthropic", "AnthropicError"))
 # How long a reclaimed response gets to close its connection before the slot goes back anyway.
 _CLOSE_TIMEOUT = 5.0
+_Why = Literal["idle", "collected"]
 
 
 @overload
@@ -132,9 +142,91 @@ def client(
         )
         ```
     """
+    return _new_client("client", limiter, workload, stack, idle_timeout, client_kwargs)
+
+
+@overload
+def sync_client(
+    *,
+    limiter: Any = None,
+    workload: str | None = None,
+    stack: Literal["httpx2"] = "httpx2",
+    idle_timeout: float | None = 60.0,
+    **client_kwargs: Any,
+) -> httpx2.Client: ...
+
+
+@overload
+def sync_client(
+    *,
+    limiter: Any = None,
+    workload: str | None = None,
+    stack: Literal["httpx"],
+    idle_timeout: float | None = 60.0,
+    **client_kwargs: Any,
+) -> httpx.Client: ...
+
+
+def sync_client(
+    *,
+    limiter: Any = None,
+    workload: str | None = None,
+    stack: Literal["httpx2", "httpx"] = "httpx2",
+    idle_timeout: float | None = 60.0,
+    **client_kwargs: Any,
+) -> Any:
+    """A sync `Client` whose every request holds a slot: `client()` for code with no event
+    loop, such as the sync `OpenAI()` and `Anthropic()` clients in Django or Flask views,
+    Celery tasks and scripts.
+
+    A request blocks its thread until it has a slot (or the workload's `max_wait` or the
+    current run's budget ends); its response holds the slot until its body is read to the end
+    or closed, by any thread. One limiter serves any number of threads and event loops at
+    once, so the same `MemoryLimiter` can limit the sync clients of a thread pool and the
+    async clients of an event loop together.
+
+    The limiter must be able to block a thread (`MemoryLimiter` can; a `PostgresLimiter`,
+    which waits on an event loop, cannot, and is refused). A request made in a thread that
+    runs an event loop raises `ConcurrencyConfigError`: blocking there would stall the loop.
+
+    Args:
+        limiter: As in `client()` (a limiter that can block a thread).
+        workload: As in `client()`.
+        stack: As in `client()`.
+        idle_timeout: As in `client()`. One daemon thread per process watches the
+            responses of every sync client, and closes those left unread.
+        **client_kwargs: Passed to `Client`, overriding the same defaults as `client()`.
+
+    Returns:
+        A new `httpx2.Client` or `httpx.Client`.
+
+    Raises:
+        ModuleNotFoundError: As in `client()`.
+        ValueError: As in `client()`.
+        ConcurrencyConfigError: `idle_timeout` is not a positive number of seconds or None,
+            or `limiter` cannot block a thread.
+
+    Example:
+        ```python
+        from anthropic import Anthropic
+
+        anthropic = Anthropic(http_client=slotwise.httpx.sync_client(limiter=claude))
+        ```
+    """
+    return _new_client("sync_client", limiter, workload, stack, idle_timeout, client_kwargs)
+
+
+def _new_client(
+    function: str,
+    limiter: Any,
+    workload: str | None,
+    stack: str,
+    idle_timeout: float | None,
+    client_kwargs: dict[str, Any],
+) -> Any:
     if stack not in _STACKS:
         raise ValueError(f"stack must be 'httpx2' or 'httpx', got {stack!r}")
-    module = _import(stack)
+    module = _import(stack, function)
     client_kwargs.setdefault("follow_redirects", True)
     if "limits" not in client_kwargs:
         most = getattr(limiter, "max_concurrent", None)
@@ -142,23 +234,19 @@ def client(
         client_kwargs["limits"] = module.Limits(
             max_connections=connections, max_keepalive_connections=_SDK_MAX_KEEPALIVE
         )
-    return wrap(
-        module.AsyncClient(**client_kwargs),
-        limiter=limiter,
-        workload=workload,
-        idle_timeout=idle_timeout,
-    )
+    cls = module.AsyncClient if function == "client" else module.Client
+    return wrap(cls(**client_kwargs), limiter=limiter, workload=workload, idle_timeout=idle_timeout)
 
 
-def _import(stack: str) -> ModuleType:
+def _import(stack: str, function: str) -> ModuleType:
     try:
         return importlib.import_module(stack)
     except ModuleNotFoundError as exc:
         if exc.name != stack:
             raise
         raise ModuleNotFoundError(
-            f"slotwise.httpx.client(stack={stack!r}) needs the {stack} package, which is not "
-            f"installed: {_INSTALL[stack]}",
+            f"slotwise.httpx.{function}(stack={stack!r}) needs the {stack} package, which is "
+            f"not installed: {_INSTALL[stack]}",
             name=stack,
         ) from exc
 
@@ -170,15 +258,16 @@ def wrap(
     workload: str | None = None,
     idle_timeout: float | None = 60.0,
 ) -> T:
-    """Make every request of an existing `AsyncClient` hold a slot, and return the client.
+    """Make every request of an existing client hold a slot, and return the client.
 
     Use it to keep a client built elsewhere, such as the SDK's own defaults:
-    `AsyncOpenAI(http_client=slotwise.httpx.wrap(openai.DefaultAsyncHttpxClient(), ...))`.
-    Wrap a client before it sends its first request, and only once per limiter.
+    `AsyncOpenAI(http_client=slotwise.httpx.wrap(openai.DefaultAsyncHttpxClient(), ...))`,
+    or `OpenAI(http_client=slotwise.httpx.wrap(openai.DefaultHttpxClient(), ...))` in sync
+    code. Wrap a client before it sends its first request, and only once per limiter.
 
     Args:
-        client: An `httpx2.AsyncClient` or `httpx.AsyncClient`.
-        limiter: As in `client()`.
+        client: An `AsyncClient` or a sync `Client` of `httpx2` or `httpx`.
+        limiter: As in `client()`; for a sync `Client`, as in `sync_client()`.
         workload: As in `client()`.
         idle_timeout: As in `client()`.
 
@@ -186,12 +275,13 @@ def wrap(
         The same client.
 
     Raises:
-        TypeError: `client` is not an `AsyncClient` of either stack.
+        TypeError: `client` is not an `AsyncClient` or `Client` of either stack.
+        ConcurrencyConfigError: As in `client()` and `sync_client()`.
     """
-    module = _stack_of(client, "AsyncClient")
+    module = _stack_of(client, "AsyncClient") or _stack_of(client, "Client")
     if module is None or not hasattr(client, "_transport") or not hasattr(client, "_mounts"):
         raise TypeError(
-            f"slotwise.httpx.wrap() takes an httpx2.AsyncClient or httpx.AsyncClient, "
+            f"slotwise.httpx.wrap() takes an AsyncClient or a Client of httpx2 or httpx, "
             f"got {type(client).__name__}"
         )
     options: dict[str, Any] = {
@@ -217,37 +307,49 @@ def transport(
     workload: str | None = None,
     idle_timeout: float | None = 60.0,
 ) -> T:
-    """Wrap an `AsyncBaseTransport` so that each request it handles holds a slot.
+    """Wrap a transport so that each request it handles holds a slot.
 
     The slot is taken when the request can be sent: if `inner` is a connection pool that
     allows a limited number of connections (HTTP/1.1), a request first waits, holding no slot,
     until fewer requests than that are in flight through this transport (bounded by the
     client's `pool` timeout, raising the stack's `PoolTimeout`). The slot is given back when
-    the response body has been read to the end or the response is closed (by any task), when
-    sending fails, when nobody has read the body for `idle_timeout` seconds, or when the
-    response is garbage collected without being closed.
+    the response body has been read to the end or the response is closed (by any task or
+    thread), when sending fails, when nobody has read the body for `idle_timeout` seconds, or
+    when the response is garbage collected without being closed.
+
+    A transport that is both sync and async (`MockTransport`) stays both.
 
     Args:
-        inner: An `httpx2.AsyncBaseTransport` or `httpx.AsyncBaseTransport`.
-        limiter: As in `client()`.
+        inner: An `AsyncBaseTransport` or a sync `BaseTransport` of `httpx2` or `httpx`.
+        limiter: As in `client()`; for a sync transport, as in `sync_client()`.
         workload: As in `client()`.
         idle_timeout: As in `client()`.
 
     Returns:
-        A transport of the same stack.
+        A transport of the same stack and kind.
 
     Raises:
-        TypeError: `inner` is not an async transport of either stack.
-        ConcurrencyConfigError: `idle_timeout` is not a positive number of seconds or None.
+        TypeError: `inner` is not a transport of either stack.
+        ConcurrencyConfigError: `idle_timeout` is not a positive number of seconds or None,
+            or `inner` is only sync and `limiter` cannot block a thread.
     """
-    module = _stack_of(inner, "AsyncBaseTransport")
+    module = _stack_of(inner, "AsyncBaseTransport") or _stack_of(inner, "BaseTransport")
     if module is None:
         raise TypeError(
-            f"slotwise.httpx.transport() takes an httpx2 or httpx AsyncBaseTransport, "
-            f"got {type(inner).__name__}"
+            f"slotwise.httpx.transport() takes an AsyncBaseTransport or a BaseTransport of "
+            f"httpx2 or httpx, got {type(inner).__name__}"
         )
+    is_async = isinstance(inner, module.AsyncBaseTransport)
+    is_sync = isinstance(inner, module.BaseTransport)
     idle = None if idle_timeout is None else seconds("idle_timeout", idle_timeout)
-    wrapped: Any = _transport_class(module)(
+    if not is_async and limiter is not None and not _can_block(limiter):
+        raise ConcurrencyConfigError(
+            f"limiter {getattr(limiter, 'name', limiter)!r} ({type(limiter).__name__}) cannot "
+            "limit a sync client: a sync request waits by blocking its thread, and only a "
+            "limiter that can block one (such as MemoryLimiter) can serve it. Use an async "
+            "client with this limiter"
+        )
+    wrapped: Any = _transport_class(module, is_async, is_sync)(
         inner, limiter=limiter, workload=workload, idle_timeout=idle
     )
     return wrapped  # type: ignore[no-any-return]
@@ -261,32 +363,41 @@ def _stack_of(obj: object, name: str) -> ModuleType | None:
     return None
 
 
+def _can_block(limiter: Any) -> bool:
+    """Whether `limiter` can make a thread wait (a capability of its class)."""
+    return getattr(type(limiter), "_take_blocking", None) is not None
+
+
 @cache
-def _transport_class(module: ModuleType) -> type[_SlotTransport]:
-    stream_cls = type(
-        "SlotStream",
-        (_SlotStream, module.AsyncByteStream),
-        {"__module__": __name__, "_read_error": module.ReadError},
-    )
-    return type(
-        "SlotTransport",
-        (_SlotTransport, module.AsyncBaseTransport),
-        {
-            "__module__": __name__,
-            "_stream_class": stream_cls,
-            "_in_memory": module.ByteStream,
-            "_pool_timeout": module.PoolTimeout,
-        },
-    )
+def _transport_class(module: ModuleType, is_async: bool, is_sync: bool) -> type[_SlotTransport]:
+    faces: list[type[_AsyncFace] | type[_SyncFace]] = []
+    namespace: dict[str, Any] = {
+        "__module__": __name__,
+        "_in_memory": module.ByteStream,
+        "_pool_timeout": module.PoolTimeout,
+    }
+    for wanted, face, stream, byte_stream in (
+        (is_async, _AsyncFace, _AsyncSlotStream, "AsyncByteStream"),
+        (is_sync, _SyncFace, _SyncSlotStream, "SyncByteStream"),
+    ):
+        if wanted:
+            faces.append(face)
+            namespace[face.stream_attribute] = type(
+                stream.__name__.lstrip("_"),
+                (stream, getattr(module, byte_stream)),
+                {"__module__": __name__, "_read_error": module.ReadError},
+            )
+    bases = [*faces, *(getattr(module, f.base_name) for f in faces)]
+    return type("SlotTransport", tuple(bases), namespace)
 
 
 def _connection_limit(inner: Any) -> int | None:
     """How many requests `inner` can have in flight at once, when its pool says so.
 
-    The stacks' `AsyncHTTPTransport` keeps an httpcore pool with `max_connections`; over
-    HTTP/1.1 each connection carries one request at a time, so a request beyond that number
-    waits in the pool. Over HTTP/2 one connection carries many, and other transports (mocks,
-    ASGI apps) have no pool: no limit is known for those.
+    The stacks' `AsyncHTTPTransport` and `HTTPTransport` keep an httpcore pool with
+    `max_connections`; over HTTP/1.1 each connection carries one request at a time, so a
+    request beyond that number waits in the pool. Over HTTP/2 one connection carries many,
+    and other transports (mocks, ASGI and WSGI apps) have no pool: no limit is known for those.
     """
     pool = getattr(inner, "_pool", None)
     limit = getattr(pool, "_max_connections", None)
@@ -337,10 +448,13 @@ def _with_sdk_bases(cls: type, bases: tuple[type, ...]) -> type:
     )
 
 
-class _SlotTransport:
-    """The transport; combined with the stack's `AsyncBaseTransport` by `transport()`."""
+# -- the transport ------------------------------------------------------------------------------
 
-    _stream_class: type[_SlotStream]
+
+class _SlotTransport:
+    """What the transport's async and sync faces share; `transport()` combines the faces
+    that `inner` has with the stack's base classes."""
+
     _in_memory: type
     _pool_timeout: type[Exception]
 
@@ -352,7 +466,7 @@ class _SlotTransport:
         self._workload = workload
         self._idle_timeout = idle_timeout
         self._open: set[_Attempt] = set()
-        self._gate: anyio.Semaphore | None
+        self._gate: Any
         # Requests in flight through this transport never outnumber the connections of its
         # pool, so that a request holding a slot never waits for a connection. A wrapper of a
         # wrapper takes over the inner one's gate: the outer slot is taken first.
@@ -360,7 +474,52 @@ class _SlotTransport:
             self._gate, inner._gate = inner._gate, None
         else:
             limit = _connection_limit(inner)
-            self._gate = None if limit is None else anyio.Semaphore(limit)
+            self._gate = None if limit is None else self._new_gate(limit)
+
+    def _new_gate(self, limit: int) -> Any:
+        raise NotImplementedError
+
+    def _no_slot(self, gate: Any, exc: BaseException) -> None:
+        """A request got no slot: its place at the gate goes back, and a slot error becomes
+        one that the SDKs raise as it is."""
+        if gate is not None:
+            gate.release()
+        if isinstance(exc, ConcurrencyError):
+            _passed_through_by_sdks(exc)
+
+    def _pool_timed_out(self, request: Any) -> Exception:
+        return self._pool_timeout(  # type: ignore[call-arg]
+            "no connection of the pool became free within the pool timeout", request=request
+        )
+
+    def _respond(self, attempt: _Attempt, response: Any, stream_class: type) -> Outcome | None:
+        """Give `response` a body that holds the attempt's slot until it ends; or, when the
+        body is already in memory (a mock, a cache), the outcome of the finished exchange.
+
+        The one place, for both faces, where an attempt learns from its response (its status
+        now; what else a response tells the limiter belongs here too)."""
+        attempt.failed = response.status_code >= 400
+        if isinstance(response.stream, self._in_memory):
+            return "failed" if attempt.failed else "completed"
+        attempt.hold(response.stream, self._open, self._idle_timeout)
+        response.stream = stream_class(attempt)
+        return None
+
+    def __repr__(self) -> str:
+        name = getattr(self._limiter, "name", None)
+        target = "the current run's limiter" if name is None else repr(name)
+        return f"<slotwise.httpx transport {target} workload={self._workload!r} {self._inner!r}>"
+
+
+class _AsyncFace(_SlotTransport):
+    """The async face: `handle_async_request`, on the event loop of the request."""
+
+    base_name = "AsyncBaseTransport"
+    stream_attribute = "_async_stream"
+    _async_stream: type[_AsyncSlotStream]
+
+    def _new_gate(self, limit: int) -> Any:
+        return anyio.Semaphore(limit)
 
     async def handle_async_request(self, request: Any) -> Any:
         gate = self._gate if _limited(self._limiter) else None
@@ -369,28 +528,21 @@ class _SlotTransport:
         try:
             slot = await acquire(self._workload, limiter=self._limiter)
         except BaseException as exc:
-            if gate is not None:
-                gate.release()
-            if isinstance(exc, ConcurrencyError):
-                _passed_through_by_sdks(exc)
+            self._no_slot(gate, exc)
             raise
         if slot.lease is None:  # no limiter here nor in the current run: nothing to hold
             if gate is not None:
                 gate.release()
             return await self._inner.handle_async_request(request)
-        attempt = _Attempt(slot, gate)
+        attempt = _AsyncAttempt(slot, gate)
         try:
             response = await self._inner.handle_async_request(request)
         except BaseException as exc:
-            await attempt.end(_outcome(exc))
+            await attempt.end(attempt.outcome(exc))
             raise
-        attempt.failed = response.status_code >= 400
-        if isinstance(response.stream, self._in_memory):
-            # The body is already in memory (a mock, a cache): the exchange is over.
-            await attempt.end("failed" if attempt.failed else "completed")
-            return response
-        attempt.hold(response.stream, self._open, self._idle_timeout)
-        response.stream = self._stream_class(attempt)
+        outcome = self._respond(attempt, response, self._async_stream)
+        if outcome is not None:
+            await attempt.end(outcome)
         return response
 
     async def _enter(self, gate: Any, request: Any) -> None:
@@ -398,10 +550,7 @@ class _SlotTransport:
         with anyio.move_on_after(math.inf if timeout is None else timeout) as scope:
             await gate.acquire()
         if scope.cancelled_caught:
-            raise self._pool_timeout(  # type: ignore[call-arg]
-                "no connection of the pool became free within the pool timeout",
-                request=request,
-            )
+            raise self._pool_timed_out(request)
 
     async def aclose(self) -> None:
         try:
@@ -409,7 +558,8 @@ class _SlotTransport:
         finally:
             # Responses of a closed client cannot be read any more: their slots go back now.
             for attempt in list(self._open):
-                await attempt.end(attempt.outcome(None))
+                if isinstance(attempt, _AsyncAttempt):
+                    await attempt.end(attempt.outcome(None))
 
     async def __aenter__(self) -> Any:
         await self._inner.__aenter__()
@@ -423,25 +573,78 @@ class _SlotTransport:
     ) -> None:
         await self.aclose()
 
-    def __repr__(self) -> str:
-        name = getattr(self._limiter, "name", None)
-        target = "the current run's limiter" if name is None else repr(name)
-        return f"<slotwise.httpx transport {target} workload={self._workload!r} {self._inner!r}>"
+
+class _SyncFace(_SlotTransport):
+    """The sync face: `handle_request`, blocking the thread of the request."""
+
+    base_name = "BaseTransport"
+    stream_attribute = "_sync_stream"
+    _sync_stream: type[_SyncSlotStream]
+
+    def _new_gate(self, limit: int) -> Any:
+        return threading.Semaphore(limit)
+
+    def handle_request(self, request: Any) -> Any:
+        gate = self._gate if _limited(self._limiter) else None
+        if gate is not None:
+            timeout = request.extensions.get("timeout", {}).get("pool")
+            if not gate.acquire(timeout=timeout):
+                raise self._pool_timed_out(request)
+        try:
+            slot = acquire_sync(self._workload, limiter=self._limiter)
+        except BaseException as exc:
+            self._no_slot(gate, exc)
+            raise
+        if slot.lease is None:  # no limiter here nor in the current run: nothing to hold
+            if gate is not None:
+                gate.release()
+            return self._inner.handle_request(request)
+        attempt = _SyncAttempt(slot, gate)
+        try:
+            response = self._inner.handle_request(request)
+        except BaseException as exc:
+            attempt.end(attempt.outcome(exc))
+            raise
+        outcome = self._respond(attempt, response, self._sync_stream)
+        if outcome is not None:
+            attempt.end(outcome)
+        return response
+
+    def close(self) -> None:
+        try:
+            self._inner.close()
+        finally:
+            for attempt in list(self._open):
+                if isinstance(attempt, _SyncAttempt):
+                    attempt.end(attempt.outcome(None))
+
+    def __enter__(self) -> Any:
+        self._inner.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_value: BaseException | None = None,
+        traceback: TracebackType | None = None,
+    ) -> None:
+        self.close()
 
 
-def _outcome(exc: BaseException) -> Outcome:
-    cancelled = anyio.get_cancelled_exc_class()
-    if isinstance(exc, BaseExceptionGroup):
-        # A cancelled task group (a trio nursery) raises a group made only of cancellations.
-        return "cancelled" if exc.split(cancelled)[1] is None else "failed"
-    return "cancelled" if isinstance(exc, cancelled) else "failed"
+# -- one attempt --------------------------------------------------------------------------------
 
 
 class _Attempt:
     """What one HTTP attempt holds (its slot, its place at the pool's gate, its response body)
     and gives back once, by whichever way it ends first: read to the end, closed, cut short,
     left unread past the idle bound, or garbage collected. It never refers to the response
-    or its stream, so that these can be collected."""
+    or its stream, so that these can be collected.
+
+    The async and sync kinds differ in how they release (awaiting, or not), in their clock
+    (the event loop's, or `time.monotonic`) and in who watches them for idleness (a task of
+    their event loop, or the process's reclaimer thread). What an attempt learns from its
+    exchange is kept here, for both.
+    """
 
     __slots__ = (
         "body",
@@ -461,7 +664,7 @@ class _Attempt:
     def __init__(self, slot: Slot, gate: Any) -> None:
         self.slot = slot
         self.gate = gate
-        self.started = now()
+        self.started = self.clock()
         self.failed = False
         self.done = False
         self.body: Any = None
@@ -470,7 +673,16 @@ class _Attempt:
         self.reading = False
         self.reclaimed = False
         self.last_read = 0.0
-        self.watch: _IdleWatch | None = None
+        self.watch: Any = None  # what watches it for idleness: `attempts` maps it to its bound
+
+    @staticmethod
+    def clock() -> float:
+        raise NotImplementedError
+
+    @staticmethod
+    def cancelled() -> type[BaseException]:
+        """What says that the code was interrupted rather than failed."""
+        raise NotImplementedError
 
     def hold(self, body: Any, open: set[_Attempt], idle_timeout: float | None) -> None:
         """Keep the slot while `body` is being read, and watch it for idleness."""
@@ -478,51 +690,59 @@ class _Attempt:
         self.open = open
         open.add(self)
         self.idle_timeout = idle_timeout
-        self.last_read = now()
-        if idle_timeout is not None and not math.isinf(idle_timeout):
-            self.watch = _IdleWatch.add(self, idle_timeout)
+        self.last_read = self.clock()
+        self.watch = self._watch(idle_timeout)
+
+    def _watch(self, idle_timeout: float | None) -> Any:
+        raise NotImplementedError
+
+    def begin_read(self) -> bool:
+        """Mark a read as in progress (never idle meanwhile); False if it was reclaimed."""
+        if self.reclaimed:
+            return False
+        self.reading = True
+        return True
+
+    def end_read(self) -> None:
+        self.last_read = self.clock()  # before `reading` drops: never idle in between
+        self.reading = False
 
     def outcome(self, exc: BaseException | None) -> Outcome:
-        """The outcome of a body that ended early (with `exc`, or closed unread). An error
-        response failed, however its body ends."""
-        if self.failed or (exc is not None and _outcome(exc) == "failed"):
+        """The outcome of an exchange that ended early (with `exc`, or closed unread). An
+        error response failed, however its body ends."""
+        if self.failed or (exc is not None and outcome_of(exc, self.cancelled()) == "failed"):
             return "failed"
         return "cancelled"
 
-    async def end(self, outcome: Outcome) -> None:
+    def ended(self, exc: BaseException) -> Outcome:
+        """The outcome of a body whose read ended with `exc` (its end, or an error)."""
+        if isinstance(exc, StopIteration | StopAsyncIteration):
+            return "failed" if self.failed else "completed"
+        return self.outcome(exc)
+
+    def _finish(self) -> bool:
+        """Mark the attempt done; False if it already was."""
         if self.done:
-            return
+            return False
         self.done = True
         self.open.discard(self)
         if self.watch is not None:
             self.watch.attempts.pop(self, None)
-        try:
-            await self.slot.release(outcome)
-        finally:
-            if self.gate is not None:
-                self.gate.release()
+        return True
 
-    async def reclaim(self, why: Literal["idle", "collected"] = "idle") -> None:
-        """Close the abandoned body (its connection goes back to the pool) and give the slot
-        back; reading the body afterwards raises the stack's `ReadError`."""
-        if self.done:
-            return
-        self.reclaimed = True
+    def _announce(self) -> None:
+        """Report that the slot is being taken back from an abandoned response."""
+        self.reclaimed = True  # a read starting now raises ReadError
         slot = self.slot
-        with anyio.CancelScope(shield=True):
-            slot._emit(
-                ReclaimedEvent,
-                lease_id=slot.lease_id,
-                hold_time=now() - self.started,
-                source="unclosed-response",
-            )
-            try:
-                with anyio.move_on_after(_CLOSE_TIMEOUT):
-                    await self.body.aclose()
-            except Exception as exc:
-                _logger.debug("slotwise: closing an abandoned response failed: %r", exc)
-            finally:
-                await self.end(self.outcome(None))
+        slot._emit(
+            ReclaimedEvent,
+            lease_id=slot.lease_id,
+            hold_time=self.clock() - self.started,
+            source="unclosed-response",
+        )
+
+    def _warn(self, why: _Why) -> None:
+        slot = self.slot
         what = (
             f"that nobody read for {self.idle_timeout:g} s (idle_timeout)"
             if why == "idle"
@@ -530,13 +750,122 @@ class _Attempt:
         )
         _logger.warning(
             "slotwise: reclaimed a slot of limiter %r (workload %r, lease %s) from a response "
-            "%s without being closed; close responses (async with, aclose) to give their slots "
-            "back at once",
+            "%s without being closed; close responses (with / async with, close / aclose) to "
+            "give their slots back at once",
             slot.limiter_name,
             slot.workload,
             slot.lease_id,
             what,
         )
+
+
+def _close_failed(exc: Exception) -> None:
+    _logger.debug("slotwise: closing an abandoned response failed: %r", exc)
+
+
+class _AsyncAttempt(_Attempt):
+    __slots__ = ()
+
+    clock = staticmethod(now)
+    cancelled = staticmethod(anyio.get_cancelled_exc_class)
+
+    def _watch(self, idle_timeout: float | None) -> Any:
+        if idle_timeout is None or math.isinf(idle_timeout):
+            return None
+        return _IdleWatch.add(self, idle_timeout)
+
+    async def end(self, outcome: Outcome) -> None:
+        if not self._finish():
+            return
+        try:
+            await self.slot.release(outcome)
+        finally:
+            if self.gate is not None:
+                self.gate.release()
+
+    async def reclaim(self, why: _Why = "idle") -> None:
+        """Close the abandoned body (its connection goes back to the pool) and give the slot
+        back; reading the body afterwards raises the stack's `ReadError`."""
+        if self.done:
+            return
+        with anyio.CancelScope(shield=True):
+            self._announce()
+            try:
+                with anyio.move_on_after(_CLOSE_TIMEOUT):
+                    await self.body.aclose()
+            except Exception as exc:
+                _close_failed(exc)
+            finally:
+                await self.end(self.outcome(None))
+        self._warn(why)
+
+
+def _interrupted() -> type[BaseException]:
+    return KeyboardInterrupt  # a thread is never cancelled: only interrupted in the main one
+
+
+class _SyncAttempt(_Attempt):
+    """An attempt of a sync client: read, closed and reclaimed from any thread, so what
+    several threads decide on (done, reclaimed, reading) is decided under the reclaimer's
+    lock."""
+
+    __slots__ = ()
+
+    clock = staticmethod(time.monotonic)
+    cancelled = staticmethod(_interrupted)
+
+    def _watch(self, idle_timeout: float | None) -> Any:
+        return _reclaimer.add(self, idle_timeout)
+
+    def begin_read(self) -> bool:
+        with _reclaimer.lock:
+            return super().begin_read()
+
+    def _finish(self) -> bool:
+        with _reclaimer.lock:
+            return super()._finish()
+
+    def end(self, outcome: Outcome) -> None:
+        if not self._finish():
+            return
+        try:
+            self.slot.release_sync(outcome)
+        finally:
+            if self.gate is not None:
+                self.gate.release()
+
+    def reclaim(self, why: _Why = "idle") -> None:
+        """As `_AsyncAttempt.reclaim`, in the reclaimer's thread."""
+        if self.done:
+            return
+        self._announce()
+        try:
+            self.body.close()
+        except Exception as exc:
+            _close_failed(exc)
+        finally:
+            self.end(self.outcome(None))
+        self._warn(why)
+
+
+# -- watching for idleness --------------------------------------------------------------------
+
+
+def _sweep(attempts: dict[_Attempt, float], t: float) -> tuple[list[_Attempt], float]:
+    """Take out of `attempts` (each mapped to its idle bound) those nobody has read for their
+    bound at time `t`, marked reclaimed, and say when the next of the others could be."""
+    idle = []
+    alarm = math.inf
+    for attempt, idle_timeout in list(attempts.items()):
+        # A read in progress is never idle: the server's pace does not count.
+        due = (t if attempt.reading else attempt.last_read) + idle_timeout
+        if due <= t:
+            del attempts[attempt]
+            attempt.reclaimed = True  # a read starting now raises ReadError
+            idle.append(attempt)
+        else:
+            alarm = min(alarm, due)
+    return idle, alarm
 
 
 class _IdleWatch:
@@ -554,7 +883,7 @@ class _IdleWatch:
         self.wake: anyio.Event | None = None
 
     @staticmethod
-    def add(attempt: _Attempt, idle_timeout: float) -> _IdleWatch:
+    def add(attempt: _AsyncAttempt, idle_timeout: float) -> _IdleWatch:
         """Watch `attempt`, whose body has just been handed to the caller."""
         key = loop_identity()
         watch = _watches.get(key)
@@ -570,16 +899,10 @@ class _IdleWatch:
         try:
             while self.attempts:
                 t = now()
-                alarm = math.inf
-                for attempt, idle_timeout in list(self.attempts.items()):
-                    # A read in progress is never idle: the server's pace does not count.
-                    due = (t if attempt.reading else attempt.last_read) + idle_timeout
-                    if due <= t:
-                        del self.attempts[attempt]
-                        attempt.reclaimed = True  # a read starting now raises ReadError
-                        spawn(attempt.reclaim)
-                    else:
-                        alarm = min(alarm, due)
+                idle, alarm = _sweep(self.attempts, t)
+                for attempt in idle:
+                    assert isinstance(attempt, _AsyncAttempt)
+                    spawn(attempt.reclaim)
                 if not self.attempts:
                     break
                 self.alarm, self.wake = alarm, anyio.Event()
@@ -595,51 +918,145 @@ class _IdleWatch:
 _watches: dict[object, _IdleWatch] = {}
 
 
+class _Reclaimer:
+    """The responses of every sync client of the process, and the one daemon thread that
+    takes their slots back: from those nobody has read for their `idle_timeout`, and from
+    those garbage collected unclosed.
+
+    Sync code has no event loop to run a watcher task, so one thread serves the whole
+    process. It is started with the first sync response body and then stays, blocked on its
+    inbox when there is nothing to watch. It sleeps until the first watched response could
+    be idle (a shorter bound wakes it), as the watcher task of an event loop does. A
+    response's finalizer only posts the reclaim to the inbox (`SimpleQueue.put` is safe in a
+    finalizer): the collector may run it in any thread, even one inside the connection
+    pool's lock that closing the body needs. A forked child starts afresh.
+    """
+
+    __slots__ = ("alarm", "attempts", "inbox", "lock", "thread")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.attempts: dict[_Attempt, float] = {}
+        self.alarm = math.inf
+        self.inbox: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def add(self, attempt: _SyncAttempt, idle_timeout: float | None) -> _Reclaimer | None:
+        """Watch `attempt`, whose body has just been handed to the caller; make sure the
+        thread runs, which also reclaims the body if it is collected unclosed."""
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self.main, name="slotwise-httpx-reclaimer", daemon=True
+                )
+                self.thread.start()
+            if idle_timeout is None or math.isinf(idle_timeout):
+                return None
+            self.attempts[attempt] = idle_timeout
+            sooner = attempt.last_read + idle_timeout < self.alarm
+        if sooner:
+            self.inbox.put(None)
+        return self
+
+    def post(self, job: Callable[[], object]) -> None:
+        """Run `job` in the reclaimer's thread; callable from a finalizer."""
+        self.inbox.put(job)
+
+    def main(self) -> None:
+        while True:
+            with self.lock:
+                t = time.monotonic()
+                idle, self.alarm = _sweep(self.attempts, t)
+            for attempt in idle:
+                assert isinstance(attempt, _SyncAttempt)
+                self._run(attempt.reclaim)
+            if idle:
+                continue
+            try:
+                job = self.inbox.get(timeout=None if self.alarm == math.inf else self.alarm - t)
+            except queue.Empty:
+                continue
+            if job is not None:
+                self._run(job)
+
+    @staticmethod
+    def _run(job: Callable[[], object]) -> None:
+        try:
+            job()
+        except Exception:  # a slot's release reports its own failures; this is a bug
+            _logger.exception("slotwise: reclaiming an abandoned response's slot failed")
+
+
+_reclaimer = _Reclaimer()
+
+
+def _start_afresh() -> None:
+    # A forked child keeps none of the parent's threads, and maybe a lock held by one of them.
+    global _reclaimer
+    _reclaimer = _Reclaimer()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_start_afresh)
+
+
+# -- the response body --------------------------------------------------------------------------
+
+
 class _SlotStream:
     """A response body that gives its attempt's slot back when read to the end, closed,
     left unread, or collected.
 
-    Combined with the stack's `AsyncByteStream` by `transport()`, so the client accepts it.
+    Combined with the stack's `AsyncByteStream` or `SyncByteStream` by `transport()`, so the
+    client accepts it.
     """
 
     _read_error: type[Exception]
 
-    def __init__(self, attempt: _Attempt) -> None:
+    def __init__(self, attempt: _Attempt, schedule: Callable[[Callable[[], Any]], None]) -> None:
         self._attempt = attempt
         self._iterator: Any = None
         # The finalizer must not refer to this object, or it would never be collected.
-        self._finalizer = weakref.finalize(self, _collected, attempt, later())
+        self._finalizer = weakref.finalize(self, _collected, attempt, schedule)
         self._finalizer.atexit = False
 
-    def __aiter__(self) -> _SlotStream:
-        return self
-
-    async def __anext__(self) -> bytes:
+    def _reading(self) -> _Attempt:
+        """The attempt, now reading; the stack's `ReadError` if it was reclaimed."""
         attempt = self._attempt
-        if attempt.reclaimed:
+        if not attempt.begin_read():
             raise self._read_error(
                 f"slotwise.httpx closed this response and gave its slot back: nobody read it "
                 f"for {attempt.idle_timeout:g} s (idle_timeout)"
             )
-        if self._iterator is None:
-            self._iterator = attempt.body.__aiter__()
-        attempt.reading = True
+        return attempt
+
+
+class _AsyncSlotStream(_SlotStream):
+    _attempt: _AsyncAttempt
+
+    def __init__(self, attempt: _AsyncAttempt) -> None:
+        super().__init__(attempt, later())
+
+    def __aiter__(self) -> _AsyncSlotStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        attempt = self._reading()
         try:
+            if self._iterator is None:
+                self._iterator = attempt.body.__aiter__()
             chunk: bytes = await self._iterator.__anext__()
-        except StopAsyncIteration:
-            # The body is complete: its connection goes back to the pool before the slot.
-            try:
-                with contextlib.suppress(Exception):
-                    await attempt.body.aclose()
-            finally:
-                await self._end("failed" if attempt.failed else "completed")
-            raise
         except BaseException as exc:
-            await self._end(attempt.outcome(exc))
+            try:
+                if isinstance(exc, StopAsyncIteration):
+                    # The body is complete: its connection goes back to the pool first.
+                    with contextlib.suppress(Exception):
+                        await attempt.body.aclose()
+            finally:
+                await self._end(attempt.ended(exc))
             raise
         finally:
-            attempt.reading = False
-            attempt.last_read = now()
+            attempt.end_read()
         return chunk
 
     async def aclose(self) -> None:
@@ -661,15 +1078,58 @@ class _SlotStream:
         await self._attempt.end(outcome)
 
 
-def _collected(attempt: _Attempt, schedule: Start) -> None:
-    """The finalizer of a response's stream, run wherever the collector runs."""
+class _SyncSlotStream(_SlotStream):
+    _attempt: _SyncAttempt
+
+    def __init__(self, attempt: _SyncAttempt) -> None:
+        super().__init__(attempt, _reclaimer.post)
+
+    def __iter__(self) -> _SyncSlotStream:
+        return self
+
+    def __next__(self) -> bytes:
+        attempt = self._reading()
+        try:
+            if self._iterator is None:
+                self._iterator = iter(attempt.body)
+            chunk: bytes = next(self._iterator)
+        except BaseException as exc:
+            try:
+                if isinstance(exc, StopIteration):
+                    with contextlib.suppress(Exception):
+                        attempt.body.close()
+            finally:
+                self._end(attempt.ended(exc))
+            raise
+        finally:
+            attempt.end_read()
+        return chunk
+
+    def close(self) -> None:
+        attempt = self._attempt
+        try:
+            attempt.body.close()
+            iterator, self._iterator = self._iterator, None
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                # Raises ValueError while another thread is inside it: closing the stream
+                # above ends that read.
+                with contextlib.suppress(ValueError):
+                    close()
+        finally:
+            self._end(attempt.outcome(None))
+
+    def _end(self, outcome: Outcome) -> None:
+        self._finalizer.detach()
+        self._attempt.end(outcome)
+
+
+def _collected(attempt: _Attempt, schedule: Callable[[Callable[[], Any]], None]) -> None:
+    """The finalizer of a response's stream, run wherever the collector runs: it hands the
+    reclaim to the attempt's event loop, or to the reclaimer thread."""
     if attempt.done:
         return
-
-    async def reclaim() -> None:
-        await attempt.reclaim("collected")
-
     try:
-        schedule(reclaim)
+        schedule(partial(attempt.reclaim, "collected"))  # type: ignore[attr-defined]
     except Exception as exc:  # the event loop is gone: so is the lease, with it
         _logger.debug("slotwise: cannot reclaim an abandoned response's slot: %r", exc)

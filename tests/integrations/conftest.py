@@ -11,6 +11,10 @@ Request headers steer it:
 - ``x-fake-chunks``: how many streamed events (default 3);
 - ``x-fake-429``: answer 429 with ``Retry-After`` to the attempts whose
   ``x-stainless-retry-count`` is below this number.
+- ``x-fake-end-at-once``: send the end of a stream right after its last event, without the
+  pause (a real provider ends the body with its last event; a client that stops reading at
+  that event, as openai's sync stream does at ``[DONE]``, then never closes a response that
+  the server still counts).
 
 A path that starts with ``/redirect`` is answered with a 307 to the same path without that
 prefix (which keeps the method and the body).
@@ -143,8 +147,15 @@ class FakeProvider:
                 "headers": [(b"content-type", b"text/event-stream")],
             }
         )
-        for event, data in events:
+        end_at_once = headers.get("x-fake-end-at-once") == "1"
+        for index, (event, data) in enumerate(events):
             line = (f"event: {event}\n" if event else "") + f"data: {data}\n\n"
+            if end_at_once and index == len(events) - 1:
+                finish()
+                await send(
+                    {"type": "http.response.body", "body": line.encode(), "more_body": False}
+                )
+                return
             await send({"type": "http.response.body", "body": line.encode(), "more_body": True})
             if not await pause():
                 return
