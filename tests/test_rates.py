@@ -552,3 +552,21 @@ def test_sync_slots_take_tokens_too() -> None:
         slotwise.sync_slot(limiter=limiter, tokens=95, timeout=0.05),
     ):
         pass
+
+
+# -- what the provider says is left -----------------------------------------------------------
+
+
+@on_mock_clock()
+async def test_the_providers_remaining_count_lowers_a_bucket_never_raises_it() -> None:
+    limiter = MemoryLimiter(name="obs", max_concurrent=5, rate=Rate(requests=10, per=10.0))
+    async with limiter.slot() as slot:
+        slot.provider_remaining(requests=2)  # the provider counted other clients too
+        assert limiter.stats_nowait().buckets["requests"].level == pytest.approx(2)
+        slot.provider_remaining(requests=8)  # more than slotwise thinks: ignored
+        assert limiter.stats_nowait().buckets["requests"].level == pytest.approx(2)
+    start = now()
+    for _ in range(3):
+        async with limiter.slot():
+            pass
+    assert now() - start == pytest.approx(1.0)  # two left, then one a second

@@ -270,6 +270,15 @@ class MemoryLimiter(BuiltinLimiter[W]):
         _wake(wakers)
         return until, throttle.limit
 
+    def observe_remaining(self, lease: SupportsLease, kind: str, remaining: int) -> None:
+        """The provider says `remaining` requests or tokens (`kind`) are left of its
+        limit: the limiter's bucket of that kind holds no more than that (it is lowered,
+        never raised), so the next grants wait for the provider's own refill.
+        `Slot.provider_remaining()` calls it (`slotwise.httpx` reads the rate-limit
+        headers)."""
+        with self._lock:
+            self._state.bank.observe(kind, remaining, self._clock())
+
     def charge_tokens(self, lease: SupportsLease, tokens: int) -> None:
         """Charge `tokens` more to the token buckets of `lease`'s workload and of the limiter
         (a refund when negative): `Slot.used_tokens()` corrects an estimate with it."""

@@ -105,6 +105,18 @@ class Bank:
             if bucket is not None:
                 bucket.level = min(float(bucket.rule.capacity), bucket.level - units)
 
+    def observe(self, key: str, remaining: int, now: float) -> bool:
+        """The provider says ``remaining`` units are left in bucket ``key``: lower the
+        bucket to that if it holds more (never raise it). Returns whether it changed."""
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            return False
+        bucket.refill(now)
+        if remaining >= bucket.level:
+            return False
+        bucket.level = float(remaining)
+        return True
+
     def oversized(self, workload: str, cost: Cost) -> tuple[str, int, BucketRule] | None:
         """A bucket that can never hold ``cost``: (key, units, its rule), or None."""
         for key, bucket, units in self.applying(workload, cost):

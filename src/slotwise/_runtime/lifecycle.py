@@ -337,6 +337,25 @@ class Slot:
         if delta and charge is not None and self.lease is not None:
             charge(self.limiter, self.lease, delta)
 
+    def provider_remaining(self, *, requests: int | None = None, tokens: int | None = None) -> None:
+        """Tell the limiter what the provider says is left of its rate limits (the
+        `x-ratelimit-remaining-*` and `anthropic-ratelimit-*-remaining` headers): a rate
+        bucket that holds more is lowered to it, so that slotwise does not send what the
+        provider would refuse. `slotwise.httpx` calls it by itself.
+
+        Args:
+            requests: Requests left in the provider's current window, if it said.
+            tokens: Tokens left, if it said.
+        """
+        observe = getattr(type(self.limiter), "observe_remaining", None)
+        if observe is None or self.lease is None:
+            return
+        for kind, remaining in (("requests", requests), ("tokens", tokens)):
+            if remaining is not None:
+                if not isinstance(remaining, int) or isinstance(remaining, bool) or remaining < 0:
+                    raise ValueError(f"{kind} must be a non-negative integer, got {remaining!r}")
+                observe(self.limiter, self.lease, kind, remaining)
+
     def throttled(self, retry_after: float | None = None, *, reason: str = "throttled") -> None:
         """Say that the provider refused this slot's request (a 429, 529 or 503): the limiter
         grants no new slot until `retry_after` seconds from now (a jittered backoff that
