@@ -58,7 +58,10 @@ class BuiltinLimiter(Generic[W]):
         Raises:
             ConcurrencyConfigError: unknown, or None with several workloads and no default.
         """
-        return resolve_workload(self._settings, workload)
+        settings = self._settings
+        if workload is None and settings.default_workload is not None:
+            return settings.default_workload  # the common case, without a call
+        return resolve_workload(settings, workload)
 
     def slot(
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False

@@ -47,7 +47,7 @@ import anyio
 from . import ConcurrencyError, Outcome, ReclaimedEvent, Slot, acquire, current_run
 from ._config import seconds
 from ._errors import ConcurrencyConfigError
-from ._runtime.lifecycle import acquire_sync, outcome_of
+from ._runtime.lifecycle import acquire_sync, can_block, outcome_of
 from ._runtime.loop import later, loop_identity, now, spawn
 
 if TYPE_CHECKING:
@@ -365,7 +365,7 @@ def _stack_of(obj: object, name: str) -> ModuleType | None:
 
 def _can_block(limiter: Any) -> bool:
     """Whether `limiter` can make a thread wait (a capability of its class)."""
-    return getattr(type(limiter), "_take_blocking", None) is not None
+    return can_block(limiter)
 
 
 @cache

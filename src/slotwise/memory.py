@@ -27,6 +27,7 @@ from ._errors import ConcurrencyConfigError
 from ._events import LimitChangedEvent
 from ._protocol import AcquireRequest, Lease, SupportsLease
 from ._runtime import dispatch
+from ._runtime.lifecycle import tethering
 from ._runtime.loop import Loop, ThreadWaker, Waker, require
 from ._stats import BucketStats, LimiterStats
 
@@ -45,6 +46,7 @@ _UNSET = _Unset()
 
 
 @final
+@tethering
 class MemoryLimiter(BuiltinLimiter[W]):
     """A limiter whose slots live in this process.
 
@@ -340,15 +342,17 @@ class MemoryLimiter(BuiltinLimiter[W]):
     # -- what the slot lifecycle uses (looked up on the class) ----------------------------
 
     def _take_nowait(
-        self, workload: str, loop: Loop | None, tether: Tether, tokens: int = 0
+        self, workload: str, loop: Loop, tether: Tether, tokens: int = 0
     ) -> LeaseRecord | None:
         """A slot now, tethered to its holder, if the request would not have to wait (never
         with rate limits or a pause: those go through `_take`)."""
         with self._lock:
-            record, swept = self._state.take_nowait(workload, self._now(loop), tether)
-            if not swept and not self._watchers.alarms:
+            if loop.virtual is not self._domain:
+                self._now(loop)  # follow (or refuse) another clock
+            record = self._state.take_nowait(workload, self._clock(), tether)
+            if record is None or not self._watchers.alarms:
                 return record
-            wakers = self._settle(swept, record)
+            wakers = self._watchers.earlier(record.expires_at)
         _wake(wakers)
         return record
 

@@ -71,6 +71,7 @@ class LeaseRecord:
 
 
 _NO_COST: Cost = {"requests": 1}
+_NEVER = -math.inf  # paused_until when no pause was ever set
 
 
 @attrs.frozen(kw_only=True)
@@ -152,7 +153,7 @@ class LimiterState:
     @property
     def timed(self) -> bool:
         """Whether time alone can grant something (rate buckets, or a pause)."""
-        return bool(self.bank) or self.paused_until > -math.inf
+        return bool(self.bank.buckets) or self.paused_until != _NEVER
 
     # -- requests -------------------------------------------------------------------------
 
@@ -214,19 +215,28 @@ class LimiterState:
             return ticket, swept + granted
         return ticket, swept
 
-    def take_nowait(
-        self, workload: str, now: float, tether: Tether | None
-    ) -> tuple[LeaseRecord | None, list[Ticket]]:
-        """Grant a slot now if the request would not have to wait, else take nothing; also
-        return the tickets granted because expired leases were swept first."""
-        swept = self.tick(now)
+    def take_nowait(self, workload: str, now: float, tether: Tether | None) -> LeaseRecord | None:
+        """Grant a slot now if the request would not have to wait, else take nothing (the
+        caller then submits it). Only the plain case: nobody of its workload queued ahead,
+        no lease to sweep, no rate bucket and no pause to consult."""
         if (
-            self.timed
+            self.bank.buckets
+            or self.paused_until != _NEVER
             or self.queues[workload]
-            or not has_room(self.rules, self.active, workload, self.shared_used)
+            or (self._expiries and self._expiries[0][0] <= now)
         ):
-            return None, swept
-        return self._lease(workload, now, tether), swept
+            return None
+        rules = self.rules
+        rule = rules.workloads[workload]
+        held = self.active[workload]
+        if held >= rule.ceiling:
+            return None
+        if held >= rule.reserved:
+            if self.shared_used >= rules.shared:
+                return None
+            self.shared_used += 1
+        self.active[workload] = held + 1
+        return self._record(workload, now, tether)
 
     def regrant(self, ticket: Ticket, now: float) -> list[Ticket]:
         """A granted ticket whose lease ran out before its waiter could use it (the waiter's
@@ -264,14 +274,15 @@ class LimiterState:
         if record is None:
             return []
         self._drop(record)
-        self._compact()
+        if len(self._expiries) > 2 * len(self.leases) + 64:
+            self._compact()
         if not record.throttled:
             self._backoffs = 0
             if self.aimd is not None:
                 new = self.aimd.success(record.epoch)
                 if new is not None:
                     self._set_limit(new)
-        return self._allocate(now)
+        return self._allocate(now) if self.queued else []
 
     def renew(self, lease_id: str, now: float) -> LeaseRecord | None:
         """Extend a valid lease by ``lease_ttl``; None when it is no longer held."""
@@ -469,14 +480,18 @@ class LimiterState:
         # workload has room beyond its reservation until enough of them are released.
 
     def _lease(self, workload: str, now: float, tether: Tether | None) -> LeaseRecord:
-        lease_id = f"{self._prefix}-{next(self._lease_seq)}"
-        epoch = 0 if self.aimd is None else self.aimd.epoch
-        record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether, epoch)
-        self.leases[lease_id] = record
         held = self.active[workload]
         if held >= self.rules.workloads[workload].reserved:
             self.shared_used += 1
         self.active[workload] = held + 1
+        return self._record(workload, now, tether)
+
+    def _record(self, workload: str, now: float, tether: Tether | None) -> LeaseRecord:
+        """A new lease of ``workload``, counted already."""
+        lease_id = f"{self._prefix}-{next(self._lease_seq)}"
+        epoch = 0 if self.aimd is None else self.aimd.epoch
+        record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether, epoch)
+        self.leases[lease_id] = record
         heapq.heappush(self._expiries, (record.expires_at, lease_id))
         return record
 

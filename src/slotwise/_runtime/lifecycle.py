@@ -7,8 +7,8 @@ the request's lineage.
 
 Two ways to keep a lease alive while it is held:
 
-- A limiter whose class offers ``_take_nowait`` / ``_take`` (``MemoryLimiter``) ties each
-  lease to its `Slot` object: the lease stays valid while the slot is neither released nor
+- A limiter class registered with `tethering` (``MemoryLimiter``) ties each lease to its
+  `Slot` object: the lease stays valid while the slot is neither released nor
   garbage collected, so nothing renews it, it cannot be lost to a stalled loop, and its body
   needs no cancel scope.
 - Any other limiter's lease is renewed by the keeper of the holder's event loop; if it is
@@ -113,7 +113,7 @@ def _describe(exc: BaseException) -> str:
 def _epoch(deadline: float | None, loop: Loop) -> float | None:
     if deadline is None or math.isinf(deadline):
         return None
-    return time.time() + (deadline - loop.now())
+    return time.time() + (deadline - loop.clock())
 
 
 # -- release, shielded ------------------------------------------------------------------------
@@ -233,18 +233,16 @@ class Slot:
         "_keeper",
         "_loop",
         "_lost",
+        "_number",
         "_released",
         "_renewed_at",
+        "_run",
         "_scope",
+        "_token",
         "_tokens",
         "_ttl",
         "lease",
         "limiter",
-        "limiter_name",
-        "parent_run_id",
-        "request_id",
-        "root_run_id",
-        "run_id",
         "workload",
     )
 
@@ -254,19 +252,9 @@ class Slot:
 
     def __init__(self, limiter: Any, run: Run | None, loop: Loop | None = None) -> None:
         self.limiter = limiter
-        if limiter is None:
-            self.limiter_name = ""
-            self.request_id: str | None = None
-        else:
-            self.limiter_name = _name(limiter)
-            self.request_id = f"{_prefix}-{next(_request_seq)}"
+        self._run = run
+        self._number = 0 if limiter is None else next(_request_seq)
         self.workload: str | None = None
-        if run is None:
-            self.run_id = self.root_run_id = self.parent_run_id = None
-        else:
-            self.run_id = run.run_id
-            self.root_run_id = run.root_run_id
-            self.parent_run_id = run.parent_run_id
         self.lease: SupportsLease | None = None
         self._loop = loop  # the event loop that took it; None: a thread without one
         self._acquired_at = 0.0
@@ -276,12 +264,38 @@ class Slot:
         self._scope: Any = None  # the body's cancel scope, when the lease can be lost
         self._context: object = None  # the `async with` object that entered it, if one did
         self._frame: Any = None  # the async generator frame that entered it, if one did
+        self._token: Any = None  # its entry in the nested-slot guard (a ContextVar token)
         self._keeper: Any = None  # the keeper that renews the lease, if one must
         self._tokens = 0  # the tokens charged for it: the estimate, then what was used
 
+    @property
+    def limiter_name(self) -> str:
+        """The limiter's name as events report it ("" when nothing is limited)."""
+        return "" if self.limiter is None else _name(self.limiter)
+
+    @property
+    def request_id(self) -> str | None:
+        """The id of the request that got it (None when nothing is limited)."""
+        return None if self.limiter is None else f"{_prefix}-{self._number}"
+
+    @property
+    def run_id(self) -> str | None:
+        """The run that took it, or None."""
+        return None if self._run is None else self._run.run_id
+
+    @property
+    def root_run_id(self) -> str | None:
+        """The root of that run's tree."""
+        return None if self._run is None else self._run.root_run_id
+
+    @property
+    def parent_run_id(self) -> str | None:
+        """That run's parent."""
+        return None if self._run is None else self._run.parent_run_id
+
     def _clock(self) -> float:
         loop = self._loop
-        return time.monotonic() if loop is None else loop.now()
+        return time.monotonic() if loop is None else loop.clock()
 
     @property
     def lease_id(self) -> str | None:
@@ -536,47 +550,109 @@ async def acquire(
     slot, run = _request(workload, limiter, allow_nested, loop, tokens)
     if slot.limiter is None:
         await loop.checkpoint()
-        return slot
+    elif _take_at_once(slot, loop):
+        try:
+            await loop.checkpoint()
+        except BaseException as exc:
+            _not_entered(slot, run, loop, exc)
+        try:
+            _entered(slot, run, loop, None)
+        except BaseException:  # a subscriber's KeyboardInterrupt: nobody will hold the slot
+            slot.release_sync("cancelled")
+            raise
+    else:
+        await _wait(slot, run, loop)
+    return slot
+
+
+# Limiter classes that tie each lease to its Slot (see the module's docstring). They offer
+# `_take_nowait(workload, loop, tether, tokens)`, `_take(workload, loop, deadline, tether,
+# tokens)`, `_take_blocking(workload, timeout, tether, tokens)` and `release_nowait(lease)`.
+# Declared, not guessed from method names that a custom limiter may use for its own ends.
+_tethering: set[type] = set()
+
+T = TypeVar("T", bound=type)
+
+
+def tethering(cls: T) -> T:
+    """Class decorator: declare a limiter class as one that ties leases to their slots."""
+    _tethering.add(cls)
+    return cls
+
+
+def can_block(limiter: Any) -> bool:
+    """Whether ``limiter`` can serve code with no event loop (`sync_slot()`)."""
+    return type(limiter) in _tethering
+
+
+def _take_at_once(slot: Slot, loop: Loop) -> bool:
+    """For a tethering limiter: take a free slot now, before anything yields, so that
+    arrival order is the order of calls. False: the request must wait (`_wait`)."""
+    limiter = slot.limiter
+    cls = type(limiter)
+    if cls not in _tethering:
+        return False
+    lease = cls._take_nowait(limiter, slot.workload, loop, weakref.ref(slot), slot._tokens)
+    if lease is None:
+        return False
+    slot.lease = lease
+    return True
+
+
+def _not_entered(slot: Slot, run: Run | None, loop: Loop, exc: BaseException) -> NoReturn:
+    """A slot taken at once whose request was cancelled before it resumed: nothing was
+    held; give it back and report the request as cancelled."""
+    assert slot.lease is not None
+    type(slot.limiter).release_nowait(slot.limiter, slot.lease)
+    slot._released = True
+    if dispatch._subscriptions and dispatch.wants(slot.limiter):
+        _wait_started(slot, loop.clock(), run.deadline_on(loop) if run is not None else None)
+    _failed(slot, exc, 0.0, False, loop.cancelled)
+
+
+def _entered(slot: Slot, run: Run | None, loop: Loop, start: float | None) -> None:
+    """The slot is held from now: when, and the events (``start`` is when the request
+    began to wait, None for a slot taken at once)."""
+    slot._acquired_at = now = loop.clock()
+    if dispatch._subscriptions and dispatch.wants(slot.limiter):
+        if start is None:
+            start = now
+            _wait_started(slot, now, run.deadline_on(loop) if run is not None else None)
+        _acquired(slot, slot.lease, now - start)  # type: ignore[arg-type]
+
+
+async def _wait(slot: Slot, run: Run | None, loop: Loop) -> None:
+    """Wait for the slot's lease: the one place where a wait ends, and how."""
     limiter = slot.limiter
     cls = type(limiter)
     deadline = run.deadline_on(loop) if run is not None else None
-    start = _wait_started(slot, loop.now(), deadline)
-    take_nowait = getattr(cls, "_take_nowait", None)
+    start = loop.clock()
+    if dispatch._subscriptions and dispatch.wants(limiter):
+        _wait_started(slot, start, deadline)
+    tethered = cls in _tethering
     try:
-        if take_nowait is not None:
+        if tethered:
             # The limiter keeps the lease valid while the slot lives and honours the deadline
-            # itself: it takes a slot or a place in the queue before anything yields.
-            tether = weakref.ref(slot)
-            lease = take_nowait(limiter, slot.workload, loop, tether, slot._tokens)
-            if lease is None:
-                lease = await cls._take(
-                    limiter, slot.workload, loop, deadline, tether, slot._tokens
-                )
-            else:
-                try:
-                    await loop.checkpoint()
-                except BaseException:
-                    # The slot was free but the request was cancelled: nothing was held.
-                    cls.release_nowait(limiter, lease)
-                    raise
+            # itself: it takes a place in the queue before anything yields.
+            lease = await cls._take(
+                limiter, slot.workload, loop, deadline, weakref.ref(slot), slot._tokens
+            )
         else:
             lease = await _acquire_renewable(slot, loop, deadline)
     except BaseException as exc:
         budget_ended = isinstance(exc, _BudgetEnded) or (
             isinstance(exc, loop.cancelled) and _budget_ended(run, loop)
         )
-        _failed(slot, exc, loop.now() - start, budget_ended, loop.cancelled)
+        _failed(slot, exc, loop.clock() - start, budget_ended, loop.cancelled)
     slot.lease = lease
-    slot._acquired_at = now = loop.now()
-    if take_nowait is None:
+    if not tethered:
+        slot._acquired_at = loop.clock()
         keeper.track(slot, loop, since=start)
-    if dispatch._subscriptions and dispatch.wants(limiter):
-        try:
-            _acquired(slot, lease, now - start)
-        except BaseException:  # a subscriber's KeyboardInterrupt: nobody will hold the slot
-            await slot.release("cancelled")
-            raise
-    return slot
+    try:
+        _entered(slot, run, loop, start)
+    except BaseException:  # a subscriber's KeyboardInterrupt: nobody will hold the slot
+        await slot.release("cancelled")
+        raise
 
 
 def acquire_sync(
@@ -613,7 +689,7 @@ def acquire_sync(
         )
         slot._emit(ConfigErrorEvent, error=_describe(exc))
         raise slot._fill(exc)
-    take = getattr(type(limiter), "_take_blocking", None)
+    take = type(limiter)._take_blocking if can_block(limiter) else None
     if take is None:
         exc = ConcurrencyConfigError(
             f"limiter {slot.limiter_name!r} ({type(limiter).__name__}) cannot be used from "
@@ -776,7 +852,7 @@ def _budget_ended(run: Run | None, loop: Loop) -> bool:
     if run is None or run.cancelled:
         return False
     deadline = run.deadline_on(loop)
-    return deadline is not None and loop.now() >= deadline
+    return deadline is not None and loop.clock() >= deadline
 
 
 def _resolve(limiter: Any, workload: str | None) -> str:
@@ -799,11 +875,14 @@ def _max_wait(limiter: Any, workload: str) -> float | None:
 # -- async with -------------------------------------------------------------------------------
 
 
+_CO_ASYNC_GENERATOR = inspect.CO_ASYNC_GENERATOR
+
+
 def _enter(context: object, slot: Slot, frame: Any) -> None:
     """Record that ``context`` entered ``slot`` in this task (its exit finds it there)."""
     slot._context = context
-    _holding.set((*_holding.get(), slot))
-    if frame.f_code.co_flags & inspect.CO_ASYNC_GENERATOR:
+    slot._token = _holding.set((*_holding.get(), slot))
+    if frame.f_code.co_flags & _CO_ASYNC_GENERATOR:
         # The event loop may finalize the generator in a task of its own, where this task's
         # context is not: the exit then finds the slot by the generator's frame.
         slot._frame = frame
@@ -815,7 +894,18 @@ def _exit(context: object, frame: Any) -> Slot | None:
     entered (whatever frames `AsyncExitStack` or a wrapper run them in), or the one entered
     by the async generator whose frame this is. None when nothing was limited."""
     held = _holding.get()
-    for index in range(len(held) - 1, -1, -1):
+    if held:
+        slot = held[-1]
+        if slot._context is context and not slot._released:
+            # The usual case: the innermost slot of this task, entered in this context.
+            try:
+                _holding.reset(slot._token)
+            except ValueError:  # set in another context: take it out by hand
+                _holding.set(held[:-1])
+            if slot._frame is not None:
+                _in_generators.pop(id(slot._frame), None)
+            return slot
+    for index in range(len(held) - 2, -1, -1):
         slot = held[index]
         if slot._context is context and not slot._released:
             _holding.set(held[:index] + held[index + 1 :])
@@ -896,7 +986,11 @@ class SlotContext(Generic[W]):
             outcome = "completed"
         else:
             outcome = outcome_of(exc, require().cancelled)
-        await slot.release(outcome)
+        nowait = getattr(type(slot.limiter), "release_nowait", None)
+        if nowait is not None and not slot._released:
+            slot._release_nowait(nowait, outcome)  # no coroutine of its own
+        else:
+            await slot.release(outcome)
         if lost:
             raise ConcurrencyLeaseLostError(
                 "the slot's lease was lost while the body ran; the body was cancelled",

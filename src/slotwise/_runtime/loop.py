@@ -19,6 +19,7 @@ import contextvars
 import math
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -58,7 +59,9 @@ class Waker:
 class Loop:
     """The running event loop, as the slot lifecycle and the limiters use it."""
 
-    __slots__ = ("cancelled", "identity", "keeper", "thread", "virtual")
+    __slots__ = ("cancelled", "clock", "identity", "keeper", "thread", "virtual")
+
+    clock: Callable[[], float]  # now(), as a plain callable: the hot path calls it directly
 
     keeper: Any  # the lease keeper of this loop (slotwise._runtime.keeper), once started
     # The loop's clock object when it does not follow real time (trio's MockClock, which
@@ -70,7 +73,7 @@ class Loop:
 
     def now(self) -> float:
         """The loop's clock, as ``anyio.current_time()`` reads it."""
-        raise NotImplementedError
+        return self.clock()
 
     async def checkpoint(self) -> None:
         """Yield to the loop once, raising if the task is cancelled."""
@@ -146,11 +149,11 @@ class AsyncioLoop(Loop):
         self.identity = loop
         self.keeper = None
         self.virtual = None
+        # The standard loops' time() is time.monotonic() behind a Python call; skip the call.
+        standard = getattr(type(loop), "time", None) is asyncio.BaseEventLoop.time
+        self.clock = time.monotonic if standard else loop.time
         self.thread = _ident()
         self.cancelled = asyncio.CancelledError
-
-    def now(self) -> float:
-        return self.loop.time()
 
     async def checkpoint(self) -> None:
         await asyncio.sleep(0)
@@ -238,9 +241,7 @@ class TrioLoop(Loop):
         self.virtual = (
             clock if testing is not None and isinstance(clock, testing.MockClock) else None
         )
-
-    def now(self) -> float:
-        return float(self._trio.current_time())
+        self.clock = clock.current_time  # what trio.current_time() reads, without its checks
 
     async def checkpoint(self) -> None:
         await self._trio.lowlevel.checkpoint()
