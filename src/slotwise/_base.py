@@ -4,7 +4,7 @@ and ``subscribe()``."""
 from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
-from ._config import Settings, Workload, resolve_workload
+from ._config import Rate, Settings, Workload, resolve_workload
 from ._events import ConcurrencyEvent
 from ._runtime import dispatch
 from ._runtime.lifecycle import SlotContext, SyncSlotContext, slot, sync_slot
@@ -41,6 +41,12 @@ class BuiltinLimiter(Generic[W]):
     def lease_ttl(self) -> float:
         """Seconds a lease lives without renewal."""
         return self._settings.lease_ttl
+
+    @property
+    def rate(self) -> Rate | None:
+        """The provider's rate limits this limiter keeps (requests and tokens per period),
+        or None."""
+        return self._settings.rate
 
     @property
     def workloads(self) -> Mapping[str, Workload]:

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cache, partial
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
@@ -45,8 +45,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 import anyio
 
 from . import ConcurrencyError, Outcome, ReclaimedEvent, Slot, acquire, current_run
-from ._config import seconds
+from ._config import Rate, seconds
 from ._errors import ConcurrencyConfigError
+from ._provider import UsageMeter, estimate_tokens, read_rate_headers, usage_meter
 from ._runtime.lifecycle import acquire_sync, can_block, outcome_of
 from ._runtime.loop import later, loop_identity, now, spawn
 
@@ -71,6 +72,9 @@ _SDK_ERRORS = (("openai", "OpenAIError"), ("anthropic", "AnthropicError"))
 # How long a reclaimed response gets to close its connection before the slot goes back anyway.
 _CLOSE_TIMEOUT = 5.0
 _Why = Literal["idle", "collected"]
+# The statuses by which a provider refuses a request for its load: too many requests (429),
+# Anthropic's overloaded (529), unavailable (503).
+_PUSHBACK = frozenset({429, 503, 529})
 
 
 @overload
@@ -413,6 +417,29 @@ def _limited(limiter: Any) -> bool:
     return run is not None and run.limiter is not None
 
 
+def _token_capacity(limiter: Any, workload: str | None) -> int | None:
+    """The capacity of the smallest token bucket a request of `workload` draws from (the
+    limiter's `rate` and its workload's), resolved as `acquire()` resolves them; None when
+    the request's limiter counts no tokens."""
+    run = current_run()
+    if limiter is None:
+        limiter = None if run is None else run.limiter
+        if limiter is None:
+            return None
+    if workload is None and run is not None and run.limiter is limiter:
+        workload = run.workload
+    if workload is None:
+        workload = getattr(limiter, "default_workload", None)
+    workloads = getattr(limiter, "workloads", None)
+    spec = workloads.get(workload) if isinstance(workloads, Mapping) else None
+    capacities = [
+        rate.tokens
+        for rate in (getattr(limiter, "rate", None), getattr(spec, "rate", None))
+        if isinstance(rate, Rate) and rate.tokens is not None
+    ]
+    return min(capacities, default=None)
+
+
 def _passed_through_by_sdks(exc: ConcurrencyError) -> None:
     """Make `exc` also an instance of the loaded SDKs' base error classes.
 
@@ -492,14 +519,36 @@ class _SlotTransport:
             "no connection of the pool became free within the pool timeout", request=request
         )
 
+    def _estimate(self, request: Any) -> int | None:
+        """The request's token estimate when its limiter counts tokens (None when not), at
+        most what its smallest token bucket holds: a request costlier than that waits for a
+        full bucket, and its usage corrects the charge afterwards."""
+        most = _token_capacity(self._limiter, self._workload)
+        if most is None:
+            return None
+        try:
+            body = request.content
+        except Exception:  # a body sent as a stream (an upload): nothing to count
+            return 0
+        try:
+            return min(estimate_tokens(body), most)
+        except Exception as exc:
+            _logger.warning("slotwise: estimating a request's tokens failed: %r", exc)
+            return 0
+
     def _respond(self, attempt: _Attempt, response: Any, stream_class: type) -> Outcome | None:
         """Give `response` a body that holds the attempt's slot until it ends; or, when the
         body is already in memory (a mock, a cache), the outcome of the finished exchange.
 
-        The one place, for both faces, where an attempt learns from its response (its status
-        now; what else a response tells the limiter belongs here too)."""
+        The one place, for both faces, where an attempt learns from its response: its
+        status, the provider's rate-limit headers, and the usage its body will carry."""
         attempt.failed = response.status_code >= 400
+        attempt.learn(response)
         if isinstance(response.stream, self._in_memory):
+            if attempt.meter is not None:
+                body: Any = response.stream
+                for chunk in body:
+                    attempt.meter.feed(chunk)
             return "failed" if attempt.failed else "completed"
         attempt.hold(response.stream, self._open, self._idle_timeout)
         response.stream = stream_class(attempt)
@@ -523,10 +572,11 @@ class _AsyncFace(_SlotTransport):
 
     async def handle_async_request(self, request: Any) -> Any:
         gate = self._gate if _limited(self._limiter) else None
+        tokens = self._estimate(request)
         if gate is not None:
             await self._enter(gate, request)
         try:
-            slot = await acquire(self._workload, limiter=self._limiter)
+            slot = await acquire(self._workload, limiter=self._limiter, tokens=tokens)
         except BaseException as exc:
             self._no_slot(gate, exc)
             raise
@@ -534,7 +584,7 @@ class _AsyncFace(_SlotTransport):
             if gate is not None:
                 gate.release()
             return await self._inner.handle_async_request(request)
-        attempt = _AsyncAttempt(slot, gate)
+        attempt = _AsyncAttempt(slot, gate, tokens)
         try:
             response = await self._inner.handle_async_request(request)
         except BaseException as exc:
@@ -586,12 +636,13 @@ class _SyncFace(_SlotTransport):
 
     def handle_request(self, request: Any) -> Any:
         gate = self._gate if _limited(self._limiter) else None
+        tokens = self._estimate(request)
         if gate is not None:
             timeout = request.extensions.get("timeout", {}).get("pool")
             if not gate.acquire(timeout=timeout):
                 raise self._pool_timed_out(request)
         try:
-            slot = acquire_sync(self._workload, limiter=self._limiter)
+            slot = acquire_sync(self._workload, limiter=self._limiter, tokens=tokens)
         except BaseException as exc:
             self._no_slot(gate, exc)
             raise
@@ -599,7 +650,7 @@ class _SyncFace(_SlotTransport):
             if gate is not None:
                 gate.release()
             return self._inner.handle_request(request)
-        attempt = _SyncAttempt(slot, gate)
+        attempt = _SyncAttempt(slot, gate, tokens)
         try:
             response = self._inner.handle_request(request)
         except BaseException as exc:
@@ -653,17 +704,21 @@ class _Attempt:
         "gate",
         "idle_timeout",
         "last_read",
+        "meter",
         "open",
         "reading",
         "reclaimed",
         "slot",
         "started",
+        "tokens",
         "watch",
     )
 
-    def __init__(self, slot: Slot, gate: Any) -> None:
+    def __init__(self, slot: Slot, gate: Any, tokens: int | None = None) -> None:
         self.slot = slot
         self.gate = gate
+        self.tokens = tokens  # the estimate charged; None: the limiter counts no tokens
+        self.meter: UsageMeter | None = None  # reads the usage in the body as it passes
         self.started = self.clock()
         self.failed = False
         self.done = False
@@ -683,6 +738,56 @@ class _Attempt:
     def cancelled() -> type[BaseException]:
         """What says that the code was interrupted rather than failed."""
         raise NotImplementedError
+
+    def learn(self, response: Any) -> None:
+        """Tell the limiter what the response says of the provider's limits: what is left
+        (lowering the rate buckets), and a refusal for its load (429, 529, 503), which
+        pauses new grants for as long as the headers say (a backoff when they do not) and
+        refunds the token estimate. Ready a meter for the usage in the body when the limiter
+        counts tokens. Never raises: a failure here must not fail the response."""
+        slot = self.slot
+        status = response.status_code
+        pushback = status in _PUSHBACK
+        try:
+            if pushback or hasattr(type(slot.limiter), "observe_remaining"):
+                said = read_rate_headers(
+                    response.headers.multi_items(), time.time(), self.tokens or 0
+                )
+                if pushback and self.tokens:
+                    slot.used_tokens(0)  # refused: it used nothing
+                if said.requests is not None or said.tokens is not None:
+                    slot.provider_remaining(requests=said.requests, tokens=said.tokens)
+                if pushback:
+                    slot.throttled(said.retry_after, reason=str(status))
+            if self.tokens is not None and not self.failed:
+                headers = response.headers
+                self.meter = usage_meter(
+                    headers.get("content-type", ""), headers.get("content-encoding", "")
+                )
+        except Exception as exc:
+            _logger.warning(
+                "slotwise: telling limiter %r what a response said of the provider's limits "
+                "failed: %r",
+                slot.limiter_name,
+                exc,
+            )
+
+    def account(self, outcome: Outcome) -> None:
+        """Correct the token estimate with the usage the body carried, if it said."""
+        meter, self.meter = self.meter, None
+        if meter is None:
+            return
+        used = meter.total(outcome == "completed")
+        if used is None:
+            return
+        try:
+            self.slot.used_tokens(used)
+        except Exception as exc:
+            _logger.warning(
+                "slotwise: correcting a token estimate of limiter %r failed: %r",
+                self.slot.limiter_name,
+                exc,
+            )
 
     def hold(self, body: Any, open: set[_Attempt], idle_timeout: float | None) -> None:
         """Keep the slot while `body` is being read, and watch it for idleness."""
@@ -778,6 +883,7 @@ class _AsyncAttempt(_Attempt):
         if not self._finish():
             return
         try:
+            self.account(outcome)
             await self.slot.release(outcome)
         finally:
             if self.gate is not None:
@@ -829,6 +935,7 @@ class _SyncAttempt(_Attempt):
         if not self._finish():
             return
         try:
+            self.account(outcome)
             self.slot.release_sync(outcome)
         finally:
             if self.gate is not None:
@@ -1046,6 +1153,9 @@ class _AsyncSlotStream(_SlotStream):
             if self._iterator is None:
                 self._iterator = attempt.body.__aiter__()
             chunk: bytes = await self._iterator.__anext__()
+            meter = attempt.meter  # read once: another task may end the attempt
+            if meter is not None:
+                meter.feed(chunk)
         except BaseException as exc:
             try:
                 if isinstance(exc, StopAsyncIteration):
@@ -1093,6 +1203,9 @@ class _SyncSlotStream(_SlotStream):
             if self._iterator is None:
                 self._iterator = iter(attempt.body)
             chunk: bytes = next(self._iterator)
+            meter = attempt.meter  # read once: another task may end the attempt
+            if meter is not None:
+                meter.feed(chunk)
         except BaseException as exc:
             try:
                 if isinstance(exc, StopIteration):
