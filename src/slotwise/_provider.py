@@ -52,7 +52,7 @@ _MAX_LINE = 1024 * 1024
 # A `usage` key with an object for a value (`"usage": null` says nothing).
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _USAGE_KEY = re.compile(r'"usage"\s*:\s*')
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
 _UNIT = {
     "ns": 1e-9,
     "us": 1e-6,
@@ -63,7 +63,7 @@ _UNIT = {
     "m": 60.0,
     "h": 3600.0,
 }
-_NUMBER = re.compile(r"\d+(?:\.\d*)?|\.\d+")
+_NUMBER = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 # The limits named in the rate-limit headers that are read: OpenAI's requests and tokens,
 # Anthropic's requests, tokens, input tokens and output tokens.
 _LIMITS = ("requests", "tokens", "input-tokens", "output-tokens")
