@@ -742,35 +742,35 @@ class _Attempt:
     def learn(self, response: Any) -> None:
         """Tell the limiter what the response says of the provider's limits: what is left
         (lowering the rate buckets), and a refusal for its load (429, 529, 503), which
-        pauses new grants for as long as the headers say (a backoff when they do not) and
-        refunds the token estimate. Ready a meter for the usage in the body when the limiter
+        refunds the token estimate and pauses new grants for as long as the headers say (a
+        backoff when they do not). Ready a meter for the usage in the body when the limiter
         counts tokens. Never raises: a failure here must not fail the response."""
         slot = self.slot
         status = response.status_code
         pushback = status in _PUSHBACK
-        try:
-            if pushback or hasattr(type(slot.limiter), "observe_remaining"):
-                said = read_rate_headers(
-                    response.headers.multi_items(), time.time(), self.tokens or 0
-                )
-                if pushback and self.tokens:
-                    slot.used_tokens(0)  # refused: it used nothing
-                if said.requests is not None or said.tokens is not None:
-                    slot.provider_remaining(requests=said.requests, tokens=said.tokens)
-                if pushback:
-                    slot.throttled(said.retry_after, reason=str(status))
-            if self.tokens is not None and not self.failed:
-                headers = response.headers
-                self.meter = usage_meter(
-                    headers.get("content-type", ""), headers.get("content-encoding", "")
-                )
-        except Exception as exc:
-            _logger.warning(
-                "slotwise: telling limiter %r what a response said of the provider's limits "
-                "failed: %r",
-                slot.limiter_name,
-                exc,
+        headers = response.headers
+        if self.tokens is not None and not self.failed:
+            self.meter = _quietly(
+                slot,
+                usage_meter,
+                headers.get("content-type", ""),
+                headers.get("content-encoding", ""),
             )
+        if not pushback and not hasattr(type(slot.limiter), "observe_remaining"):
+            return
+        said = _quietly(
+            slot, read_rate_headers, headers.multi_items(), time.time(), self.tokens or 0
+        )
+        if said is None:
+            return
+        if pushback and self.tokens:
+            _quietly(slot, slot.used_tokens, 0)  # refused: it used nothing
+        if said.requests is not None:
+            _quietly(slot, slot.provider_remaining, requests=said.requests)
+        if said.tokens is not None:
+            _quietly(slot, slot.provider_remaining, tokens=said.tokens)
+        if pushback:
+            _quietly(slot, slot.throttled, said.retry_after, reason=str(status))
 
     def account(self, outcome: Outcome) -> None:
         """Correct the token estimate with the usage the body carried, if it said."""
@@ -778,16 +778,8 @@ class _Attempt:
         if meter is None:
             return
         used = meter.total(outcome == "completed")
-        if used is None:
-            return
-        try:
-            self.slot.used_tokens(used)
-        except Exception as exc:
-            _logger.warning(
-                "slotwise: correcting a token estimate of limiter %r failed: %r",
-                self.slot.limiter_name,
-                exc,
-            )
+        if used is not None:
+            _quietly(self.slot, self.slot.used_tokens, used)
 
     def hold(self, body: Any, open: set[_Attempt], idle_timeout: float | None) -> None:
         """Keep the slot while `body` is being read, and watch it for idleness."""
@@ -862,6 +854,21 @@ class _Attempt:
             slot.lease_id,
             what,
         )
+
+
+def _quietly(slot: Slot, function: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+    """Call `function`, which tells `slot`'s limiter what the provider said; a failure is
+    logged, never raised: what the limiter learns must not fail the response."""
+    try:
+        return function(*args, **kwargs)
+    except Exception as exc:
+        _logger.warning(
+            "slotwise: telling limiter %r what the provider said of its limits failed (%s): %r",
+            slot.limiter_name,
+            getattr(function, "__name__", function),
+            exc,
+        )
+        return None
 
 
 def _close_failed(exc: Exception) -> None:

@@ -32,7 +32,7 @@ account's limits, as token buckets that start full and refill continuously: a re
 them is answered at once with a 429 and a ``retry-after`` saying when it would fit. A request
 costs one request and, at its arrival, its output cap plus one token per 4 bytes of its body
 (as the providers estimate); its usage replaces that when it ends. Every answer then carries
-the rate-limit headers of its shape (OpenAI's ``x-ratelimit-*``, Anthropic's
+the rate-limit headers of its shape, as they were at its arrival (OpenAI's ``x-ratelimit-*``, Anthropic's
 ``anthropic-ratelimit-*``). ``provider.arrivals`` and ``provider.refusals`` record when
 requests arrived and when each 429 was sent, with its ``retry-after``.
 
@@ -221,11 +221,13 @@ class FakeProvider:
         anthropic = path.endswith("/messages")
         limited = self.request_bucket or self.token_bucket or self.concurrency is not None
         cap = request.get("max_tokens") or request.get("max_completion_tokens") or 0
-        cost = cap + len(body) // 4
+        cost = cap + math.ceil(len(body) / 4)
+        rate_headers = []
         if limited:
             wait = self._refuse(cost)
+            rate_headers = self._rate_headers(anthropic)  # at the admission, as providers do
             if wait is not None:
-                await self._too_many(send, finish, wait, self._rate_headers(anthropic))
+                await self._too_many(send, finish, wait, rate_headers)
                 return
         output = min(chunks, cap) if cap else chunks
         used = max(1, len(body) // 8) + output
@@ -257,7 +259,7 @@ class FakeProvider:
             return
         if int(headers.get("x-stainless-retry-count", "0")) < int(headers.get("x-fake-429", "0")):
             settle(0)
-            await self._too_many(send, finish, 0.01, [])
+            await self._too_many(send, finish, 0.01, rate_headers)
             return
         prompt = used - output
         stream_usage = bool((request.get("stream_options") or {}).get("include_usage"))
@@ -277,12 +279,9 @@ class FakeProvider:
         gzipped = headers.get("x-fake-gzip") == "1"
         if not request.get("stream"):
             settle()
-            extra = self._rate_headers(anthropic) if limited else []
-            await _respond(send, 200, full, tuple(extra), gzipped=gzipped)
+            await _respond(send, 200, full, tuple(rate_headers), gzipped=gzipped)
             return
-        extra = [(b"content-type", b"text/event-stream")]
-        if limited:
-            extra += self._rate_headers(anthropic)
+        extra = [(b"content-type", b"text/event-stream"), *rate_headers]
         if gzipped:
             extra.append((b"content-encoding", b"gzip"))
         encoder = zlib.compressobj(wbits=zlib.MAX_WBITS | 16) if gzipped else None
