@@ -233,14 +233,18 @@ class FakeProvider:
         used = max(1, len(body) // 8) + output
         charged = [False]
 
-        def settle(usage: int = used) -> None:
-            """The request ends: its usage replaces the estimate it was charged."""
+        def account(usage: int = used) -> None:
+            """Its answer is complete: its usage replaces the estimate it was charged."""
             if not charged[0]:
                 charged[0] = True
                 self.charged.append((cost, usage))
                 if self.token_bucket is not None:
                     self.token_bucket.refill()
                     self.token_bucket.level += cost - usage
+
+        def settle(usage: int = used) -> None:
+            """The request ends."""
+            account(usage)
             finish()
 
         async def pause() -> bool:
@@ -304,6 +308,8 @@ class FakeProvider:
                 )
                 return
             await send({"type": "http.response.body", "body": encode(line), "more_body": True})
+            if index == len(events) - 1:
+                account()  # the last event is out: a client may close the stream now
             if not await pause():
                 return
         settle()
