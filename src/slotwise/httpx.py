@@ -21,6 +21,17 @@ it is garbage collected.
 slotwise's errors (`ConcurrencyTimeoutError`, `ConcurrencyQueueFullError`, ...) reach the
 caller of the SDK unchanged, and the SDK does not retry them: the wait already happened.
 
+What the provider says of its limits reaches the limiter too, for the OpenAI and Anthropic
+request shapes. With a token `Rate`, each request is charged an estimate when its slot is
+granted (its output cap, `max_tokens`, `max_completion_tokens` or `max_output_tokens`, plus
+its JSON body's size over 4) and the `usage` of its response corrects it (from a JSON body,
+or from the events of a stream that carry one). A 429, 529 or 503 pauses every new grant for
+the longest wait its headers give (`retry-after`, `retry-after-ms`, OpenAI's
+`x-ratelimit-reset-*`, Anthropic's `anthropic-ratelimit-*-reset`), or a backoff. Every
+response's `x-ratelimit-remaining-*` and `anthropic-ratelimit-*-remaining` counts lower the
+rate buckets when the provider has less left than slotwise thinks. A malformed header, or a
+limiter that fails to record any of this, never fails the response.
+
 Both HTTP stacks are served: `httpx2` (what `anthropic` 2.x requires and `openai` 3.x
 prefers) and the legacy `httpx`. Neither is imported until it is used.
 """
