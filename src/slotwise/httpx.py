@@ -428,6 +428,19 @@ def _limited(limiter: Any) -> bool:
     return run is not None and run.limiter is not None
 
 
+def _observes(limiter: Any) -> bool:
+    """Whether `limiter` keeps rate buckets that the provider's remaining counts can lower
+    (its class can be told them, and it has a `rate`, or does not say)."""
+    return (
+        hasattr(type(limiter), "observe_remaining")
+        and getattr(limiter, "rate", _Unknown) is not None
+    )
+
+
+class _Unknown:
+    """What a limiter that does not say whether it has a `rate` has."""
+
+
 def _token_capacity(limiter: Any, workload: str | None) -> int | None:
     """The capacity of the smallest token bucket a request of `workload` draws from (the
     limiter's `rate` and its workload's), resolved as `acquire()` resolves them; None when
@@ -767,7 +780,7 @@ class _Attempt:
                 headers.get("content-type", ""),
                 headers.get("content-encoding", ""),
             )
-        if not pushback and not hasattr(type(slot.limiter), "observe_remaining"):
+        if not pushback and not _observes(slot.limiter):
             return
         said = _quietly(
             slot, read_rate_headers, headers.multi_items(), time.time(), self.tokens or 0
