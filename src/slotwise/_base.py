@@ -7,7 +7,7 @@ from typing import Generic, TypeVar
 from ._config import Settings, Workload, resolve_workload
 from ._events import ConcurrencyEvent
 from ._runtime import dispatch
-from ._runtime.lifecycle import SlotContext, SyncSlotContext, slot, sync_slot
+from ._runtime.lifecycle import SlotContext, SyncSlotContext, sync_slot
 from ._stats import BucketStats, LimiterStats, WorkloadStats
 
 __all__ = ("BuiltinLimiter",)
@@ -67,7 +67,7 @@ class BuiltinLimiter(Generic[W]):
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
     ) -> SlotContext[W]:
         """`async with limiter.slot(workload=...)`: `slotwise.slot` with this limiter."""
-        return slot(workload, limiter=self, tokens=tokens, allow_nested=allow_nested)
+        return SlotContext(workload, self, allow_nested, tokens)
 
     def sync_slot(
         self,

@@ -59,9 +59,10 @@ class Waker:
 class Loop:
     """The running event loop, as the slot lifecycle and the limiters use it."""
 
-    __slots__ = ("cancelled", "clock", "identity", "keeper", "thread", "virtual")
+    __slots__ = ("cancelled", "clock", "identity", "keeper", "thread", "turn", "virtual")
 
     clock: Callable[[], float]  # now(), as a plain callable: the hot path calls it directly
+    turn: Callable[[], Awaitable[None]]  # checkpoint() without a coroutine of ours around it
 
     keeper: Any  # the lease keeper of this loop (slotwise._runtime.keeper), once started
     # The loop's clock object when it does not follow real time (trio's MockClock, which
@@ -110,6 +111,10 @@ class Loop:
 # -- asyncio ----------------------------------------------------------------------------------
 
 
+def _sleep0() -> Awaitable[None]:
+    return asyncio.sleep(0)
+
+
 def _set_future(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -152,6 +157,7 @@ class AsyncioLoop(Loop):
         # The standard loops' time() is time.monotonic() behind a Python call; skip the call.
         standard = getattr(type(loop), "time", None) is asyncio.BaseEventLoop.time
         self.clock = time.monotonic if standard else loop.time
+        self.turn = _sleep0
         self.thread = _ident()
         self.cancelled = asyncio.CancelledError
 
@@ -242,6 +248,7 @@ class TrioLoop(Loop):
             clock if testing is not None and isinstance(clock, testing.MockClock) else None
         )
         self.clock = clock.current_time  # what trio.current_time() reads, without its checks
+        self.turn = trio.lowlevel.checkpoint
 
     async def checkpoint(self) -> None:
         await self._trio.lowlevel.checkpoint()
@@ -302,16 +309,29 @@ class _Cache(threading.local):
 _cache = _Cache()
 
 
+_trio_context: Any = None  # trio's per-thread run context, once trio is imported
+
+
 def current() -> Loop | None:
     """The running loop of this thread, or None when no event loop runs here."""
+    global _trio_context
     cache = _cache
     # trio first: in trio's guest mode on an asyncio host, both answer, and trio's is ours.
-    trio = sys.modules.get("trio")
-    if trio is not None and trio.lowlevel.in_trio_run():
-        token = trio.lowlevel.current_trio_token()
-        if cache.key is not token:
-            cache.loop = TrioLoop(token)
-            cache.key = token
+    # One attribute read of trio's run context, where its public functions (in_trio_run,
+    # current_trio_token) add calls and their interrupt protection.
+    context = _trio_context
+    if context is None and "trio._core._run" in sys.modules:
+        context = getattr(sys.modules["trio._core._run"], "GLOBAL_RUN_CONTEXT", None)
+        _trio_context = context
+        if context is None:  # trio's internals moved: its public functions
+            trio = sys.modules["trio"]
+            if trio.lowlevel.in_trio_run():
+                return TrioLoop(trio.lowlevel.current_trio_token())
+    runner = None if context is None else getattr(context, "runner", None)
+    if runner is not None:
+        if cache.key is not runner:
+            cache.loop = TrioLoop(sys.modules["trio"].lowlevel.current_trio_token())
+            cache.key = runner
         return cache.loop
     running = _get_running_loop()
     if running is None:
