@@ -581,8 +581,9 @@ class _Watchers:
     Expiry needs no background task: a waiting request sets its timer to the earliest lease
     expiry as well as its own deadline. One waiter per thread does so (not every waiter: a
     herd of timers), and per thread, not per limiter, so that a stalled or paused event loop
-    delays nobody on another one. A watcher that leaves hands its watch to another waiter of
-    its thread, which it wakes so that it re-arms.
+    delays nobody on another one. A watcher that leaves hands its watch to the newest waiter
+    of its thread (grants go in arrival order: it leaves last, so a hand-off does not pass the
+    watch on at every grant), which it wakes so that it re-arms.
     """
 
     __slots__ = ("_waiting", "_watching", "alarms")
@@ -618,7 +619,7 @@ class _Watchers:
         self.alarms.pop(thread, None)
         if not waiting:
             return []
-        successor = self._watching[thread] = next(iter(waiting.values()))
+        successor = self._watching[thread] = next(reversed(waiting.values()))
         self.alarms[thread] = math.inf  # until it wakes up and re-arms
         return [successor]
 
