@@ -459,9 +459,8 @@ def _snapshots(
                     if isinstance(exc, StatusError):
                         raise
                     raise StatusError(f"the database failed: {_message(exc)}") from None
+                # A lost connection reports itself closed, and the next round reconnects.
                 result = exc if isinstance(exc, StatusError) else StatusError(_message(exc))
-                if conn is not None and conn.broken:
-                    conn.close()
             first = False
             yield result
             if watch is None:
