@@ -98,6 +98,11 @@ def snapshot(
         return sql.SQL(text).format(s=sql.Identifier(schema))
 
     with conn.transaction():
+        # A view must never wait long: not behind a migration's lock, not on a slow server.
+        conn.execute(
+            "SELECT set_config('lock_timeout', '2s', true), "
+            "set_config('statement_timeout', '10s', true)"
+        )
         _check_tables(conn, schema)
         cur = conn.execute("SELECT clock_timestamp()")
         now: datetime = _one(cur.fetchone())
