@@ -4,6 +4,7 @@ PostgresLimiters stored in a database."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -68,15 +69,19 @@ def _status(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    return status_main(
-        dsn=args.dsn,
-        name=args.name,
-        schema=args.schema,
-        watch=args.watch,
-        as_json=args.json,
-        out=sys.stdout,
-        err=sys.stderr,
-    )
+    try:
+        return status_main(
+            dsn=args.dsn,
+            name=args.name,
+            schema=args.schema,
+            watch=args.watch,
+            as_json=args.json,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
+    except BrokenPipeError:  # the reader has read enough (`| head -1`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

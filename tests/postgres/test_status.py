@@ -386,7 +386,7 @@ def test_watch_redraws_in_place() -> None:
     assert "\x1b[2K\x1b[1A" in text  # the previous frame is erased, not scrolled past
 
 
-async def test_json_watch_prints_one_document_a_line(
+async def test_json_watch_prints_one_document_a_line_until_the_reader_stops(
     tagged_dsn: str, schema: str, limiters: list[Any]
 ) -> None:
     limiter = PostgresLimiter(tagged_dsn, schema=schema, name="claude", max_concurrent=2)
@@ -394,15 +394,18 @@ async def test_json_watch_prints_one_document_a_line(
     await limiter.start()
     command = [sys.executable, "-m", "slotwise", "status", "--dsn", tagged_dsn]
     command += ["--schema", schema, "--json", "--watch", "0.1"]
-    async with await anyio.open_process(command) as process:
-        assert process.stdout is not None
-        lines = b""
-        with anyio.fail_after(30):
-            async for chunk in process.stdout:
-                lines += chunk
-                if lines.count(b"\n") >= 2:
-                    break
-        process.terminate()
-    first, second = (json.loads(line) for line in lines.splitlines()[:2])
+
+    def watch() -> tuple[list[bytes], int, bytes]:
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+            assert process.stdout is not None
+            assert process.stderr is not None
+            lines = [process.stdout.readline(), process.stdout.readline()]
+            process.stdout.close()  # as `| head -2` does
+            code = process.wait(timeout=30)
+            return lines, code, process.stderr.read()
+
+    lines, code, errors = await anyio.to_thread.run_sync(watch)
+    assert (code, errors) == (0, b"")  # no BrokenPipeError traceback
+    first, second = (json.loads(line) for line in lines)
     assert first["limiters"]["claude"]["active"] == 0
     assert second["database_time"] > first["database_time"]
