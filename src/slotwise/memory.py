@@ -332,7 +332,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             limit = state.rules.max_concurrent
             granted = state.release(lease.lease_id, self._clock())
             climbed = state.aimd is not None and state.rules.max_concurrent != limit
-            if not granted and not climbed:
+            if not granted and not climbed and not state.timed:
                 return
             wakers = self._settle(granted)
         _wake(wakers)
@@ -529,6 +529,11 @@ class MemoryLimiter(BuiltinLimiter[W]):
                 # A granted watcher may not resume soon (its loop may be stalled): hand its
                 # watch to another waiter of its thread now.
                 wakers += [t.waker for t in watchers.leave(ticket) if t.waker is not None]
+        if self._state.timed:
+            # A head may now wait for a bucket to refill: the clock watch must ring then.
+            wake = self._state.next_wake(self._clock())
+            if wake is not None:
+                expiries.append(wake)
         if expiries and watchers.alarms:
             wakers += watchers.earlier(min(expiries))
         return wakers
