@@ -367,11 +367,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         """Wait for a slot until the earlier of `deadline` (on `loop`'s clock) and the
         workload's `max_wait`. The request takes a slot or its place in the queue before
         this yields (so arrival order is the order of calls), then yields once at least."""
-        with self._lock:
-            now = self._now(loop)
-            ticket, swept = self._state.submit(workload, now, tether, tokens)
-            wakers = self._settle(swept, ticket.lease)
-        _wake(wakers)
+        ticket = self._submit(workload, loop, tether, tokens)
         end = self._end(workload, ticket.enqueued_at, loop, deadline)
         try:
             parked = False
@@ -385,11 +381,26 @@ class MemoryLimiter(BuiltinLimiter[W]):
                         await loop.checkpoint_if_cancelled()
                     return record
                 await loop.park(waker, loop.now() + (until - self._clock()))
+                record = ticket.lease
+                if record is not None and not ticket.rate_waits and holds(record.tether):
+                    # The hand-off: granted while parked, to a holder that lives, so valid;
+                    # the grant passed the clock watch on already. A cancellation wins.
+                    await loop.checkpoint_if_cancelled()
+                    return record
                 parked = True
         except BaseException:
             # Cancelled while waiting, or as the slot was granted: give it back either way.
             self._leave(ticket)
             raise
+
+    def _submit(self, workload: str, loop: Loop, tether: Tether | None, tokens: int) -> Ticket:
+        # A call of its own: what it wakes is not kept alive by the frame of every waiter.
+        with self._lock:
+            now = self._now(loop)
+            ticket, swept = self._state.submit(workload, now, tether, tokens)
+            wakers = self._settle(swept, ticket.lease)
+        _wake(wakers)
+        return ticket
 
     def _take_blocking(
         self, workload: str, timeout: float | None, tether: Tether | None, tokens: int = 0

@@ -88,9 +88,10 @@ class Loop:
         """A new waker for the current task."""
         raise NotImplementedError
 
-    async def park(self, waker: Any, until: float) -> None:
+    def park(self, waker: Any, until: float) -> Awaitable[None]:
         """Wait until ``waker`` is woken or the loop's clock reaches ``until`` (``inf``:
-        no timer). Returns normally either way; a cancellation of the task raises."""
+        no timer). Returns normally either way; a cancellation of the task raises. Without a
+        timer, the waker's own awaitable: no coroutine frame per waiting request."""
         raise NotImplementedError
 
     def cancel_scope(self) -> Any:
@@ -188,10 +189,10 @@ class AsyncioLoop(Loop):
     def waker(self) -> _FutureWaker:
         return _FutureWaker(self.loop, self.thread)
 
-    async def park(self, waker: _FutureWaker, until: float) -> None:
-        if until == math.inf:
-            await waker.future
-            return
+    def park(self, waker: _FutureWaker, until: float) -> Awaitable[None]:
+        return waker.future if until == math.inf else self._park_until(waker, until)
+
+    async def _park_until(self, waker: _FutureWaker, until: float) -> None:
         timer = self.loop.call_at(until, _set_future, waker.future)
         try:
             await waker.future
@@ -274,10 +275,10 @@ class TrioLoop(Loop):
     def waker(self) -> _TrioWaker:
         return _TrioWaker(self.identity, self.thread)
 
-    async def park(self, waker: _TrioWaker, until: float) -> None:
-        if until == math.inf:
-            await waker.wait()
-            return
+    def park(self, waker: _TrioWaker, until: float) -> Awaitable[None]:
+        return waker.wait() if until == math.inf else self._park_until(waker, until)
+
+    async def _park_until(self, waker: _TrioWaker, until: float) -> None:
         with self._trio.CancelScope(deadline=until):
             await waker.wait()
 
