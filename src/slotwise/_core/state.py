@@ -526,8 +526,6 @@ class LimiterState:
         self._refill_at = math.inf
         if now < self.paused_until:
             return []
-        if len(self.queues) == 1 and not self.bank:
-            return self._allocate_one(now)
         queues = {w: q.values() for w, q in self.queues.items()}
         if self.bank:
             self.bank.refill(now)
@@ -548,20 +546,6 @@ class LimiterState:
             if ticket.enqueued_at < self.paused_until:
                 _waited(ticket, ["pause"])
             self._grant(ticket, now)
-        return granted
-
-    def _allocate_one(self, now: float) -> list[Ticket]:
-        """`allocate()` for a limiter of one workload and no rates, the hand-off of most
-        limiters: its queue's heads in order while it has room."""
-        ((workload, queue),) = self.queues.items()
-        granted = []
-        while queue and has_room(self.rules, self.active, workload, self.shared_used):
-            _, ticket = queue.popitem(last=False)
-            self.queued -= 1
-            if ticket.enqueued_at < self.paused_until:
-                _waited(ticket, ["pause"])
-            self._grant(ticket, now)
-            granted.append(ticket)
         return granted
 
     def _blocked(self, ticket: Ticket, keys: list[str], wait: float, now: float) -> None:
