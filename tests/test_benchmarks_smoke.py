@@ -128,8 +128,7 @@ def test_every_target_gets_a_verdict(output: str) -> None:
         )
         assert f"hand-off cost per grant within 2x from 10 to 80 waiters [{backend}]" in targets
         assert (
-            f"memory per waiter <= 800 bytes over a task parked on an Event [{backend}]"
-            in targets
+            f"memory per waiter <= 800 bytes over a task parked on an Event [{backend}]" in targets
         )
         assert (
             f"cancellation <= 1.0x anyio.CapacityLimiter's cost per cancel at every N "
