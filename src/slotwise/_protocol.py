@@ -4,15 +4,28 @@ The runtime (``slotwise.slot``) owns the slot lifecycle: waiting bounds from the
 renewal, release, events and errors. A limiter owns allocation, queue order and storage.
 """
 
-from typing import Protocol, runtime_checkable
+import sys
+from collections.abc import Mapping
+from typing import Generic, Protocol, runtime_checkable
 
 import attrs
 
-__all__ = ("AcquireRequest", "Lease", "Limiter", "SupportsLease")
+if sys.version_info >= (3, 13):
+    from typing import TypeVar
+else:
+    from typing_extensions import TypeVar
+
+__all__ = ("AcquireRequest", "Lease", "Limiter", "SupportsLease", "TypedLimiter", "W")
+
+# A limiter's workload names: `str`, or a `Literal` or `StrEnum` of them. Written bare
+# (`MemoryLimiter`, `Limiter`, `AcquireRequest`), a class means names of any `str`.
+W = TypeVar("W", bound=str, default=str)
+W_co = TypeVar("W_co", bound=str, covariant=True, default=str)
+W_contra = TypeVar("W_contra", bound=str, contravariant=True, default=str)
 
 
 @attrs.frozen(kw_only=True)
-class AcquireRequest:
+class AcquireRequest(Generic[W_co]):
     """What ``Limiter.acquire`` is asked for.
 
     Attributes:
@@ -30,7 +43,7 @@ class AcquireRequest:
             rate limits: charged when the slot is granted.
     """
 
-    workload: str
+    workload: W_co
     request_id: str
     run_id: str | None = None
     root_run_id: str | None = None
@@ -66,7 +79,7 @@ class Lease:
 
 
 @runtime_checkable
-class Limiter(Protocol):
+class Limiter(Protocol[W_contra]):
     """Any object with these members backs a limit through ``slotwise.slot(limiter=obj)``.
 
     A limiter must allocate atomically, give leases that expire, make ``renew`` and
@@ -90,7 +103,7 @@ class Limiter(Protocol):
     @property
     def name(self) -> str: ...
 
-    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+    async def acquire(self, request: AcquireRequest[W_contra]) -> SupportsLease:
         """Wait for a slot and return its lease.
 
         Raises:
@@ -106,3 +119,16 @@ class Limiter(Protocol):
     async def release(self, lease: SupportsLease) -> None:
         """Give a slot back. Idempotent."""
         ...
+
+
+class TypedLimiter(Limiter[W], Protocol[W]):
+    """A limiter whose workload names are typed: `MemoryLimiter[W]` and `PostgresLimiter[W]`.
+
+    Its `workloads` mapping ties `W` to one set of names (a mapping's keys are invariant), so
+    that `slotwise.slot(workload=..., limiter=...)` and the other functions that take both
+    check the name against the limiter's. A limiter that takes any `str` (a custom one, or
+    a built-in one with untyped names) is matched as a `Limiter[str]` first.
+    """
+
+    @property
+    def workloads(self) -> Mapping[W, object]: ...

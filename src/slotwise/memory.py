@@ -9,7 +9,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, final, overload
+from typing import Any, final, overload
 
 from ._base import BuiltinLimiter
 from ._config import (
@@ -25,15 +25,13 @@ from ._config import (
 from ._core.state import LeaseRecord, LimiterState, Tether, Ticket, holds
 from ._errors import ConcurrencyConfigError
 from ._events import LimitChangedEvent
-from ._protocol import AcquireRequest, Lease, SupportsLease
+from ._protocol import AcquireRequest, Lease, SupportsLease, W
 from ._runtime import dispatch
-from ._runtime.lifecycle import tethering
+from ._runtime.lifecycle import SlotContext, SyncSlotContext, slot, sync_slot, tethering
 from ._runtime.loop import Loop, ThreadWaker, Waker, require
 from ._stats import BucketStats, LimiterStats
 
 __all__ = ("MemoryLimiter",)
-
-W = TypeVar("W", bound=str)
 
 _logger = logging.getLogger("slotwise")
 
@@ -166,6 +164,26 @@ class MemoryLimiter(BuiltinLimiter[W]):
 
     # -- the user's surface ---------------------------------------------------------------
 
+    def slot(
+        self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
+    ) -> SlotContext[W]:
+        """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
+        return slot(workload, limiter=self, tokens=tokens, allow_nested=allow_nested)
+
+    def sync_slot(
+        self,
+        workload: W | None = None,
+        *,
+        timeout: float | None = None,
+        tokens: int | None = None,
+        allow_nested: bool = False,
+    ) -> SyncSlotContext[W]:
+        """`with limiter.sync_slot(workload=...)`: `slotwise.sync_slot()` with this limiter,
+        for code with no event loop (a thread, a sync SDK client)."""
+        return sync_slot(
+            workload, limiter=self, timeout=timeout, tokens=tokens, allow_nested=allow_nested
+        )
+
     async def stats(self) -> LimiterStats:
         """Active and queued requests, in total and per workload."""
         await require().checkpoint()
@@ -291,7 +309,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
 
     # -- the Limiter protocol -------------------------------------------------------------
 
-    async def acquire(self, request: AcquireRequest) -> Lease:
+    async def acquire(self, request: AcquireRequest[W]) -> Lease:
         """Wait for a slot (see `slotwise.Limiter`); safe to cancel at any point.
 
         Most code takes slots with `slot()` instead, which runs the whole lifecycle.

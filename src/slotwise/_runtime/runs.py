@@ -8,11 +8,12 @@ import uuid
 import weakref
 from contextvars import ContextVar, Token
 from types import TracebackType
-from typing import Any, final
+from typing import Any, final, overload
 
 import anyio
 
 from .._errors import ConcurrencyConfigError
+from .._protocol import Limiter, TypedLimiter, W
 from .loop import Loop, current, require
 
 __all__ = ("Run", "RunContext", "current_run", "run")
@@ -262,9 +263,29 @@ class RunContext:
         return bool(swallowed)
 
 
+@overload
 def run(
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
+    workload: str | None = None,
+    timeout: float | None = None,
+    run_id: str | None = None,
+) -> RunContext: ...
+
+
+@overload
+def run(
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
+    timeout: float | None = None,
+    run_id: str | None = None,
+) -> RunContext: ...
+
+
+def run(
+    *,
+    limiter: Limiter[Any] | None = None,
     workload: str | None = None,
     timeout: float | None = None,
     run_id: str | None = None,

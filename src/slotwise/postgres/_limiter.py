@@ -37,13 +37,13 @@ from .._errors import (
     ConcurrencyLimiterError,
     ConcurrencyQueueFullError,
 )
-from .._protocol import AcquireRequest, Lease, SupportsLease
+from .._protocol import AcquireRequest, Lease, SupportsLease, W
+from .._runtime.lifecycle import SlotContext, slot
 from .._stats import LimiterStats
 from ._schema import channel_name, schema_ddl
 
 __all__ = ("PostgresLimiter",)
 
-W = TypeVar("W", bound=str)
 T = TypeVar("T")
 Conn = psycopg.AsyncConnection[TupleRow]
 
@@ -339,6 +339,12 @@ class PostgresLimiter(BuiltinLimiter[W]):
             await self._pool.close()
         self._started = False
 
+    def slot(
+        self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
+    ) -> SlotContext[W]:
+        """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
+        return slot(workload, limiter=self, tokens=tokens, allow_nested=allow_nested)
+
     async def stats(self) -> LimiterStats:
         """Active and queued requests across every process, in total and per workload."""
         await self.start()
@@ -351,7 +357,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     # -- the Limiter protocol -------------------------------------------------------------
 
-    async def acquire(self, request: AcquireRequest) -> Lease:
+    async def acquire(self, request: AcquireRequest[W]) -> Lease:
         """Wait for a slot (see :class:`slotwise.Limiter`); safe to cancel at any point.
 
         Raises:
