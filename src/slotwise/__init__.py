@@ -19,6 +19,7 @@ from ._errors import ConcurrencyLeaseLostError as ConcurrencyLeaseLostError
 from ._errors import ConcurrencyLimiterError as ConcurrencyLimiterError
 from ._errors import ConcurrencyQueueFullError as ConcurrencyQueueFullError
 from ._errors import ConcurrencyTimeoutError as ConcurrencyTimeoutError
+from ._errors import RunCancelledError as RunCancelledError
 from ._events import AcquiredEvent as AcquiredEvent
 from ._events import ConcurrencyEvent as ConcurrencyEvent
 from ._events import ConfigErrorEvent as ConfigErrorEvent
@@ -88,6 +89,7 @@ __all__ = (
     "ReleasedEvent",
     "RenewalFailedEvent",
     "Run",
+    "RunCancelledError",
     "RunContext",
     "Slot",
     "SlotContext",

@@ -12,7 +12,7 @@ from typing import Any, final, overload
 
 import anyio
 
-from .._errors import ConcurrencyConfigError
+from .._errors import ConcurrencyConfigError, RunCancelledError
 from .._protocol import Limiter, TypedLimiter, W
 from .loop import Loop, current, require
 
@@ -100,11 +100,13 @@ class Run:
     def cancel(self) -> None:
         """Cancel this run and every child run, wherever it runs.
 
-        A waiting request leaves its queue (a ``wait-cancelled`` event); a running body is
-        cancelled and its slot released (a ``released`` event with outcome ``"cancelled"``).
-        The run's ``async with`` block then ends without an error, as an anyio cancel scope
-        does. A child run started later is cancelled as it starts. Calling it again does
-        nothing more.
+        A waiting request leaves its queue (a `wait-cancelled` event); a running body is
+        cancelled at its next `await` and its slot released (a `released` event with
+        outcome `"cancelled"`). The run's `async with` block then raises
+        `slotwise.RunCancelledError`: the code after the block runs only when the body ran
+        to its end (a body that ends before its next `await` ends as a finished one does).
+        A child run started later is cancelled as it starts. Calling it again does nothing
+        more.
         """
         self._cancelled = True
         here = current()
@@ -244,23 +246,27 @@ class RunContext:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> None:
         run = self._run
         assert run is not None
         assert self._token is not None
         _current.reset(self._token)
         self._token = None
         swallowed = run._scope.__exit__(exc_type, exc, tb)
-        if (
-            run._scope.cancelled_caught
-            and not run._cancelled
-            and run.deadline is not None
-            and anyio.current_time() >= run.deadline
-        ):
-            # Our own scope stopped the body at the deadline: say so, rather than ending
-            # quietly as a cancelled run does.
+        if exc is None or not swallowed:
+            return  # the body ended, or its exception (an outer cancellation) goes on
+        # Our own scope stopped the body. The block never ends quietly: the code after it
+        # would take a stopped body for a finished one (and a function that returns from
+        # inside the run would return None).
+        deadline = run.deadline
+        if not run._cancelled and deadline is not None and anyio.current_time() >= deadline:
             raise TimeoutError(f"run {run.run_id} ran out of its time budget") from exc
-        return bool(swallowed)
+        raise RunCancelledError(
+            f"run {run.run_id} was cancelled",
+            run_id=run.run_id,
+            root_run_id=run.root_run_id,
+            parent_run_id=run.parent_run_id,
+        ) from None
 
 
 @overload
