@@ -1,11 +1,16 @@
 """slotwise: how many requests to an LLM provider are in flight at once, and who goes first.
 
 Example:
-    >>> import slotwise
-    >>> claude = slotwise.MemoryLimiter(name="claude", max_concurrent=8)
-    >>> async def ask():
-    ...     async with claude.slot():
-    ...         ...  # one provider request, streaming included
+    ```python
+    import slotwise
+
+    claude = slotwise.MemoryLimiter(name="claude", max_concurrent=8)
+
+
+    async def ask():
+        async with claude.slot():
+            ...  # one provider request, streaming included
+    ```
 """
 
 from contextlib import suppress as _suppress

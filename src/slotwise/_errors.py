@@ -143,6 +143,10 @@ class RunCancelledError(Exception):
         parent_run_id: Its parent, None for a root run.
     """
 
+    run_id: str | None
+    root_run_id: str | None
+    parent_run_id: str | None
+
     def __init__(
         self,
         message: str,

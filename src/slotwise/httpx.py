@@ -9,8 +9,10 @@ included, by whichever task or thread closes it:
 from openai import AsyncOpenAI, OpenAI
 import slotwise.httpx
 
-openai = AsyncOpenAI(http_client=slotwise.httpx.client(limiter=claude, workload="interactive"))
-# In code with no event loop (Django, Flask, Celery, scripts), the sync SDK clients:
+openai = AsyncOpenAI(
+    http_client=slotwise.httpx.client(limiter=claude, workload="interactive")
+)
+# In code with no event loop (Django, Flask, Celery, scripts), the sync clients:
 openai_sync = OpenAI(http_client=slotwise.httpx.sync_client(limiter=claude))
 ```
 

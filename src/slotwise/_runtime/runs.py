@@ -171,7 +171,11 @@ def _refuse(
 
 @final
 class RunContext:
-    """``async with`` form of :func:`run`: yields the :class:`Run`; ends it on exit."""
+    """`async with` form of `slotwise.run()`: yields the `Run`, ends it on exit.
+
+    Its exit raises `RunCancelledError` when the run was cancelled while its body ran, and
+    `TimeoutError` when the run's budget ended it; it never ends a stopped body quietly.
+    """
 
     __slots__ = ("_limiter", "_run", "_run_id", "_timeout", "_token", "_workload")
 
@@ -317,10 +321,14 @@ def run(
             lineage.
         TimeoutError: on exit, when the budget ended while the body ran (the body was
             cancelled and its slot released).
+        RunCancelledError: on exit, when the run was cancelled (`Run.cancel()`, on it or
+            an ancestor) while the body ran.
 
     Example:
-        >>> async with slotwise.run(limiter=claude, workload="background", timeout=120):
-        ...     async with slotwise.slot():
-        ...         ...  # doctest: +SKIP
+        ```python
+        async with slotwise.run(limiter=claude, workload="background", timeout=120):
+            async with slotwise.slot():  # claude's, for the background workload
+                ...
+        ```
     """
     return RunContext(limiter, workload, timeout, run_id)

@@ -94,17 +94,25 @@ class ToolBox(Generic[W]):
             integer.
 
     Example:
-        >>> tools = ToolBox(
-        ...     limiter=MemoryLimiter(name="tools", max_concurrent=4, workloads={
-        ...         "search": Workload(max_concurrent=1, max_wait=10.0),
-        ...         "payments": Workload(max_concurrent=1, max_wait=0),
-        ...         "default": Workload(max_wait=30.0),
-        ...     }),
-        ...     result_budget=40_000,
-        ...     max_calls_per_run=20,
-        ... )
-        >>> @tools.tool(pool="search", timeout=10.0)
-        ... async def search_docs(query: str) -> str: ...
+        ```python
+        tools = ToolBox(
+            limiter=MemoryLimiter(
+                name="tools",
+                max_concurrent=4,
+                workloads={
+                    "search": Workload(max_concurrent=1, max_wait=10.0),
+                    "payments": Workload(max_concurrent=1, max_wait=0),
+                    "default": Workload(max_wait=30.0),
+                },
+            ),
+            result_budget=40_000,
+            max_calls_per_run=20,
+        )
+
+
+        @tools.tool(pool="search", timeout=10.0)
+        async def search_docs(query: str) -> str: ...
+        ```
     """
 
     __slots__ = ("_calls", "_limiter", "_lock", "_max_calls", "_result_budget", "_tools")
@@ -130,7 +138,7 @@ class ToolBox(Generic[W]):
     def __init__(
         self,
         *,
-        limiter: Any,
+        limiter: Limiter[Any],
         result_budget: int | None = None,
         max_calls_per_run: int | None = None,
     ) -> None:
