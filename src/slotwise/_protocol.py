@@ -91,7 +91,14 @@ class Limiter(Protocol[W_contra]):
     renews (a third of it; 30 s when absent). Two more optional members inform the runtime
     and `slotwise.opentelemetry`: ``workloads``, a mapping of names to objects with
     ``max_wait``, ``max_concurrent`` and ``reserved`` (the ``wait-started`` deadline and the
-    limit metrics), and ``max_concurrent``.
+    limit metrics), and ``max_concurrent``. A class that defines ``stats_nowait()`` (the
+    `slotwise.LimiterStats` of now, without an `await`) gives `slotwise.opentelemetry` its
+    limit in force and its pause; without it, they are read from its events.
+
+    `Limiter[W]` is generic in the workload names it takes: written bare, `Limiter` takes any
+    `str`, as a custom limiter whose `acquire` takes a bare `AcquireRequest` does. A
+    `MemoryLimiter[Literal["a", "b"]]` is a `Limiter[Literal["a", "b"]]`, so a type checker
+    refuses other names wherever it is passed with a workload.
 
     Fast paths a limiter's class may define (looked up on the class, never on the instance,
     so a wrapper that forwards attributes with ``__getattr__`` still has its own ``renew``
