@@ -240,6 +240,26 @@ async def test_a_waiter_is_woken_when_its_bucket_refills_and_says_so() -> None:
 
 
 @on_mock_clock()
+async def test_a_waiter_blocked_by_a_bucket_at_anothers_release_is_woken_at_the_refill() -> None:
+    # It parked waiting for a slot; the release that frees one finds its bucket short, so
+    # from then on it waits for the refill, which nobody's timer was set for.
+    limiter = MemoryLimiter(name="tpm", max_concurrent=1, rate=Rate(tokens=1_000, per=10.0))
+    granted: list[float] = []
+
+    async def second() -> None:
+        async with limiter.slot(tokens=900, allow_nested=True):  # started inside a slot
+            granted.append(now())
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg, limiter.slot(tokens=900) as slot:
+            tg.start_soon(second)
+            await anyio.sleep(1.0)
+            slot.used_tokens(900)
+            # At 1 s the bucket holds 100 + 100 refilled: 700 more take 7 s.
+    assert granted == [pytest.approx(8.0)]
+
+
+@on_mock_clock()
 async def test_max_wait_ends_a_wait_for_a_bucket() -> None:
     limiter = MemoryLimiter(
         name="rpm",

@@ -26,7 +26,7 @@ from ._errors import ConcurrencyConfigError
 from ._events import LimitChangedEvent
 from ._protocol import AcquireRequest, Lease, SupportsLease, W
 from ._runtime import dispatch
-from ._runtime.lifecycle import SlotContext, SyncSlotContext, slot, sync_slot, tethering
+from ._runtime.lifecycle import SlotContext, SyncSlotContext, sync_slot, tethering
 from ._runtime.loop import Loop, ThreadWaker, Waker, require
 from ._stats import BucketStats, LimiterStats
 
@@ -176,7 +176,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
     ) -> SlotContext[W]:
         """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
-        return slot(workload, limiter=self, tokens=tokens, allow_nested=allow_nested)
+        return SlotContext(workload, self, allow_nested, tokens)
 
     def sync_slot(
         self,
@@ -372,7 +372,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             limit = state.rules.max_concurrent
             granted = state.release(lease.lease_id, self._clock())
             climbed = state.aimd is not None and state.rules.max_concurrent != limit
-            if not granted and not climbed:
+            if not granted and not climbed and not state.timed:
                 return
             wakers = self._settle(granted)
         _wake(wakers)
@@ -407,11 +407,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         """Wait for a slot until the earlier of `deadline` (on `loop`'s clock) and the
         workload's `max_wait`. The request takes a slot or its place in the queue before
         this yields (so arrival order is the order of calls), then yields once at least."""
-        with self._lock:
-            now = self._now(loop)
-            ticket, swept = self._state.submit(workload, now, tether, tokens)
-            wakers = self._settle(swept, ticket.lease)
-        _wake(wakers)
+        ticket = self._submit(workload, loop, tether, tokens)
         end = self._end(workload, ticket.enqueued_at, loop, deadline)
         try:
             parked = False
@@ -425,11 +421,26 @@ class MemoryLimiter(BuiltinLimiter[W]):
                         await loop.checkpoint_if_cancelled()
                     return record
                 await loop.park(waker, loop.now() + (until - self._clock()))
+                record = ticket.lease
+                if record is not None and not ticket.rate_waits and holds(record.tether):
+                    # The hand-off: granted while parked, to a holder that lives, so valid;
+                    # the grant passed the clock watch on already. A cancellation wins.
+                    await loop.checkpoint_if_cancelled()
+                    return record
                 parked = True
         except BaseException:
             # Cancelled while waiting, or as the slot was granted: give it back either way.
             self._leave(ticket)
             raise
+
+    def _submit(self, workload: str, loop: Loop, tether: Tether | None, tokens: int) -> Ticket:
+        # A call of its own: what it wakes is not kept alive by the frame of every waiter.
+        with self._lock:
+            now = self._now(loop)
+            ticket, swept = self._state.submit(workload, now, tether, tokens)
+            wakers = self._settle(swept, ticket.lease)
+        _wake(wakers)
+        return ticket
 
     def _take_blocking(
         self, workload: str, timeout: float | None, tether: Tether | None, tokens: int = 0
@@ -569,6 +580,11 @@ class MemoryLimiter(BuiltinLimiter[W]):
                 # A granted watcher may not resume soon (its loop may be stalled): hand its
                 # watch to another waiter of its thread now.
                 wakers += [t.waker for t in watchers.leave(ticket) if t.waker is not None]
+        if self._state.timed:
+            # A head may now wait for a bucket to refill: the clock watch must ring then.
+            wake = self._state.next_wake(self._clock())
+            if wake is not None:
+                expiries.append(wake)
         if expiries and watchers.alarms:
             wakers += watchers.earlier(min(expiries))
         return wakers
@@ -621,8 +637,9 @@ class _Watchers:
     Expiry needs no background task: a waiting request sets its timer to the earliest lease
     expiry as well as its own deadline. One waiter per thread does so (not every waiter: a
     herd of timers), and per thread, not per limiter, so that a stalled or paused event loop
-    delays nobody on another one. A watcher that leaves hands its watch to another waiter of
-    its thread, which it wakes so that it re-arms.
+    delays nobody on another one. A watcher that leaves hands its watch to the newest waiter
+    of its thread (grants go in arrival order: it leaves last, so a hand-off does not pass the
+    watch on at every grant), which it wakes so that it re-arms.
     """
 
     __slots__ = ("_waiting", "_watching", "alarms")
@@ -658,7 +675,7 @@ class _Watchers:
         self.alarms.pop(thread, None)
         if not waiting:
             return []
-        successor = self._watching[thread] = next(iter(waiting.values()))
+        successor = self._watching[thread] = next(reversed(waiting.values()))
         self.alarms[thread] = math.inf  # until it wakes up and re-arms
         return [successor]
 

@@ -63,7 +63,8 @@ from .._protocol import AcquireRequest, Limiter, SupportsLease, TypedLimiter, W
 from . import dispatch, keeper
 from .keeper import lease_ttl
 from .loop import Loop, TrioLoop, current, require
-from .runs import Run, current_run
+from .runs import Run
+from .runs import _current as _current_run
 
 __all__ = (
     "Slot",
@@ -570,7 +571,7 @@ async def acquire(
         await loop.checkpoint()
     elif _take_at_once(slot, loop):
         try:
-            await loop.checkpoint()
+            await loop.turn()
         except BaseException as exc:
             _not_entered(slot, run, loop, exc)
         try:
@@ -758,7 +759,7 @@ def _request(
         raise ConcurrencyConfigError(
             f"tokens must be None or a non-negative integer, got {tokens!r}"
         )
-    run = current_run()
+    run = _current_run.get()
     if limiter is None:
         limiter = run.limiter if run is not None else None
         if limiter is None:
@@ -962,17 +963,33 @@ class SlotContext(Generic[W]):
         self._tokens = tokens
 
     async def __aenter__(self) -> Slot:
-        slot = await acquire(
-            self._workload,
-            limiter=self._limiter,
-            tokens=self._tokens,
-            allow_nested=self._allow_nested,
-        )
-        if slot.lease is None:
+        # acquire(), inlined: one coroutine less on the path of every provider request.
+        loop = current() or require()
+        slot, run = _request(self._workload, self._limiter, self._allow_nested, loop, self._tokens)
+        if slot.limiter is None:
+            await loop.turn()
             return slot
-        _enter(self, slot, sys._getframe(1))
+        if _take_at_once(slot, loop):
+            try:
+                await loop.turn()
+            except BaseException as exc:
+                _not_entered(slot, run, loop, exc)
+            try:
+                _entered(slot, run, loop, None)
+            except BaseException:  # a subscriber's KeyboardInterrupt: nobody holds it
+                slot.release_sync("cancelled")
+                raise
+        else:
+            await _wait(slot, run, loop)
+        # _enter(), inlined.
+        slot._context = self
+        slot._token = _holding.set((*_holding.get(), slot))
+        frame = sys._getframe(1)
+        if frame.f_code.co_flags & _CO_ASYNC_GENERATOR:
+            slot._frame = frame
+            _in_generators[id(frame)] = slot
         if slot._keeper is not None:  # a lease that can be lost: the body can be cancelled
-            scope = slot._scope = require().cancel_scope()
+            scope = slot._scope = loop.cancel_scope()
             scope.__enter__()
         return slot
 
@@ -982,9 +999,18 @@ class SlotContext(Generic[W]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        slot = _exit(self, sys._getframe(1))
-        if slot is None:
-            return  # nothing was limited
+        held = _holding.get()
+        slot = held[-1] if held else None
+        if slot is not None and slot._context is self and slot._frame is None:
+            # The usual case, _exit() inlined: the innermost slot of this task.
+            try:
+                _holding.reset(slot._token)
+            except ValueError:  # set in another context: take it out by hand
+                _holding.set(held[:-1])
+        else:
+            slot = _exit(self, sys._getframe(1))
+            if slot is None:
+                return  # nothing was limited
         lost = False
         scope, slot._scope = slot._scope, None
         if scope is not None:
@@ -1005,10 +1031,10 @@ class SlotContext(Generic[W]):
         else:
             outcome = outcome_of(exc, require().cancelled)
         nowait = getattr(type(slot.limiter), "release_nowait", None)
-        if nowait is not None and not slot._released:
-            slot._release_nowait(nowait, outcome)  # no coroutine of its own
-        else:
+        if nowait is None or slot._released:
             await slot.release(outcome)
+        else:
+            slot._release_nowait(nowait, outcome)  # Slot.release(), without a coroutine
         if lost:
             raise ConcurrencyLeaseLostError(
                 "the slot's lease was lost while the body ran; the body was cancelled",

@@ -37,7 +37,7 @@ from .._errors import (
     ConcurrencyQueueFullError,
 )
 from .._protocol import AcquireRequest, Lease, SupportsLease, W
-from .._runtime.lifecycle import SlotContext, slot
+from .._runtime.lifecycle import SlotContext
 from .._stats import LimiterStats
 from ._schema import channel_name, schema_ddl
 
@@ -342,7 +342,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
     ) -> SlotContext[W]:
         """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
-        return slot(workload, limiter=self, tokens=tokens, allow_nested=allow_nested)
+        return SlotContext(workload, self, allow_nested, tokens)
 
     async def stats(self) -> LimiterStats:
         """Active and queued requests across every process, in total and per workload."""
