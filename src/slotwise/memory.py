@@ -9,11 +9,10 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, final, overload
+from typing import Any, final, overload
 
 from ._base import BuiltinLimiter
 from ._config import (
-    DEFAULT_LEASE_TTL,
     Adaptive,
     Rate,
     Settings,
@@ -25,24 +24,27 @@ from ._config import (
 from ._core.state import LeaseRecord, LimiterState, Tether, Ticket, holds
 from ._errors import ConcurrencyConfigError
 from ._events import LimitChangedEvent
-from ._protocol import AcquireRequest, Lease, SupportsLease
+from ._protocol import AcquireRequest, Lease, SupportsLease, W
 from ._runtime import dispatch
-from ._runtime.lifecycle import tethering
+from ._runtime.lifecycle import SlotContext, SyncSlotContext, sync_slot, tethering
 from ._runtime.loop import Loop, ThreadWaker, Waker, require
 from ._stats import BucketStats, LimiterStats
 
 __all__ = ("MemoryLimiter",)
 
-W = TypeVar("W", bound=str)
-
 _logger = logging.getLogger("slotwise")
 
 
-class _Unset:
-    """The default of a `set_limits()` keyword that was not given (None is a value)."""
+@final
+class Unchanged:
+    """The default of a `set_limits()` keyword: that setting stays as it is (None is a
+    value: no limit)."""
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
 
 
-_UNSET = _Unset()
+UNCHANGED = Unchanged()
 
 
 @final
@@ -67,6 +69,10 @@ class MemoryLimiter(BuiltinLimiter[W]):
         workloads: Named workloads sharing the capacity; default: one named `"default"`.
         default_workload: The workload of requests that name none; default: `"default"` if
             it exists, or the only workload.
+        rate: The provider account's request and token rates (`Rate`), checked with the
+            slots in one decision; None: no rate limit.
+        adaptive: An effective limit that backs off on the provider's pushback and climbs
+            back on success (`Adaptive`); None: the limit is `max_concurrent`.
 
     Raises:
         ConcurrencyConfigError: a setting is invalid; the message names it.
@@ -131,7 +137,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         name: str = "default",
         max_concurrent: int,
         max_queued: int | None = None,
-        lease_ttl: float = DEFAULT_LEASE_TTL,
+        lease_ttl: float = 30.0,
         workloads: Mapping[W, Workload] | None = None,
         default_workload: str | None = None,
         rate: Rate | None = None,
@@ -166,6 +172,26 @@ class MemoryLimiter(BuiltinLimiter[W]):
 
     # -- the user's surface ---------------------------------------------------------------
 
+    def slot(
+        self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
+    ) -> SlotContext[W]:
+        """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
+        return SlotContext(workload, self, allow_nested, tokens)
+
+    def sync_slot(
+        self,
+        workload: W | None = None,
+        *,
+        timeout: float | None = None,
+        tokens: int | None = None,
+        allow_nested: bool = False,
+    ) -> SyncSlotContext[W]:
+        """`with limiter.sync_slot(workload=...)`: `slotwise.sync_slot()` with this limiter,
+        for code with no event loop (a thread, a sync SDK client)."""
+        return sync_slot(
+            workload, limiter=self, timeout=timeout, tokens=tokens, allow_nested=allow_nested
+        )
+
     async def stats(self) -> LimiterStats:
         """Active and queued requests, in total and per workload."""
         await require().checkpoint()
@@ -195,11 +221,11 @@ class MemoryLimiter(BuiltinLimiter[W]):
         self,
         *,
         max_concurrent: int | None = None,
-        max_queued: int | _Unset | None = _UNSET,
+        max_queued: int | Unchanged | None = UNCHANGED,
         workloads: Mapping[W, Workload] | None = None,
-        default_workload: str | _Unset | None = _UNSET,
-        rate: Rate | _Unset | None = _UNSET,
-        adaptive: Adaptive | _Unset | None = _UNSET,
+        default_workload: str | Unchanged | None = UNCHANGED,
+        rate: Rate | Unchanged | None = UNCHANGED,
+        adaptive: Adaptive | Unchanged | None = UNCHANGED,
     ) -> None:
         """Change the limits at once, validated as the constructor validates them; what is
         not given stays as it is.
@@ -209,22 +235,36 @@ class MemoryLimiter(BuiltinLimiter[W]):
         `ConcurrencyConfigError`; slots held in it count until they are released. Emits
         `limit-changed` when the limit in force changes.
 
+        Args:
+            max_concurrent: The new limit; None: unchanged.
+            max_queued: The new queue bound (None: unbounded); `UNCHANGED` (the default):
+                unchanged.
+            workloads: The new workloads, replacing all of them; None: unchanged.
+            default_workload: As in the constructor; `UNCHANGED`: unchanged.
+            rate: As in the constructor (None: no rate limit); `UNCHANGED`: unchanged.
+            adaptive: As in the constructor (None: not adaptive); `UNCHANGED`: unchanged.
+
         Raises:
             ConcurrencyConfigError: a setting is invalid; nothing changed.
+
+        Example:
+            ```python
+            await claude.set_limits(max_concurrent=16, rate=Rate(requests=100))
+            ```
         """
         await require().checkpoint()
         settings = self._settings
         new = build_settings(
             name=settings.name,
             max_concurrent=settings.max_concurrent if max_concurrent is None else max_concurrent,
-            max_queued=settings.max_queued if isinstance(max_queued, _Unset) else max_queued,
+            max_queued=settings.max_queued if isinstance(max_queued, Unchanged) else max_queued,
             lease_ttl=settings.lease_ttl,
             workloads=settings.workloads if workloads is None else workloads,
             default_workload=settings.default_workload
-            if isinstance(default_workload, _Unset)
+            if isinstance(default_workload, Unchanged)
             else default_workload,
-            rate=settings.rate if isinstance(rate, _Unset) else rate,
-            adaptive=settings.adaptive if isinstance(adaptive, _Unset) else adaptive,
+            rate=settings.rate if isinstance(rate, Unchanged) else rate,
+            adaptive=settings.adaptive if isinstance(adaptive, Unchanged) else adaptive,
         )
         with self._lock:
             old_limit = self._state.rules.max_concurrent
@@ -291,7 +331,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
 
     # -- the Limiter protocol -------------------------------------------------------------
 
-    async def acquire(self, request: AcquireRequest) -> Lease:
+    async def acquire(self, request: AcquireRequest[W]) -> Lease:
         """Wait for a slot (see `slotwise.Limiter`); safe to cancel at any point.
 
         Most code takes slots with `slot()` instead, which runs the whole lifecycle.

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from functools import partial
 from types import TracebackType
-from typing import Any, Generic, NoReturn, TypeVar, final
+from typing import Any, Generic, NoReturn, TypeVar, final, overload
 
 import anyio
 
@@ -59,7 +59,7 @@ from .._events import (
     WaitCancelledEvent,
     WaitStartedEvent,
 )
-from .._protocol import AcquireRequest, SupportsLease
+from .._protocol import AcquireRequest, Limiter, SupportsLease, TypedLimiter, W
 from . import dispatch, keeper
 from .keeper import lease_ttl
 from .loop import Loop, TrioLoop, current, require
@@ -76,8 +76,6 @@ __all__ = (
     "slot",
     "sync_slot",
 )
-
-W = TypeVar("W", bound=str)
 
 _logger = logging.getLogger("slotwise")
 _prefix = secrets.token_hex(4)
@@ -516,10 +514,30 @@ _ERROR_EVENTS: tuple[tuple[type[ConcurrencyError], Any], ...] = (
 )
 
 
+@overload
 async def acquire(
     workload: str | None = None,
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
+    tokens: int | None = None,
+    allow_nested: bool = False,
+) -> Slot: ...
+
+
+@overload
+async def acquire(
+    workload: W | None = None,
+    *,
+    limiter: TypedLimiter[W],
+    tokens: int | None = None,
+    allow_nested: bool = False,
+) -> Slot: ...
+
+
+async def acquire(
+    workload: str | None = None,
+    *,
+    limiter: Limiter[Any] | None = None,
     tokens: int | None = None,
     allow_nested: bool = False,
 ) -> Slot:
@@ -1025,13 +1043,33 @@ class SlotContext(Generic[W]):
             ) from None
 
 
+@overload
+def slot(
+    workload: str | None = None,
+    *,
+    limiter: Limiter[str] | None = None,
+    tokens: int | None = None,
+    allow_nested: bool = False,
+) -> SlotContext[str]: ...
+
+
+@overload
 def slot(
     workload: W | None = None,
     *,
-    limiter: Any = None,
+    limiter: TypedLimiter[W],
     tokens: int | None = None,
     allow_nested: bool = False,
-) -> SlotContext[W]:
+) -> SlotContext[W]: ...
+
+
+def slot(
+    workload: str | None = None,
+    *,
+    limiter: Limiter[Any] | None = None,
+    tokens: int | None = None,
+    allow_nested: bool = False,
+) -> SlotContext[Any]:
     """Hold one slot around one provider request: `async with slotwise.slot(): ...`.
 
     Args:
@@ -1107,14 +1145,36 @@ class SyncSlotContext(Generic[W]):
             slot.release_sync(outcome_of(exc, KeyboardInterrupt))
 
 
+@overload
 def sync_slot(
-    workload: W | None = None,
+    workload: str | None = None,
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
     timeout: float | None = None,
     tokens: int | None = None,
     allow_nested: bool = False,
-) -> SyncSlotContext[W]:
+) -> SyncSlotContext[str]: ...
+
+
+@overload
+def sync_slot(
+    workload: W | None = None,
+    *,
+    limiter: TypedLimiter[W],
+    timeout: float | None = None,
+    tokens: int | None = None,
+    allow_nested: bool = False,
+) -> SyncSlotContext[W]: ...
+
+
+def sync_slot(
+    workload: str | None = None,
+    *,
+    limiter: Limiter[Any] | None = None,
+    timeout: float | None = None,
+    tokens: int | None = None,
+    allow_nested: bool = False,
+) -> SyncSlotContext[Any]:
     """Hold one slot in code with no event loop: `with slotwise.sync_slot(limiter=claude):`.
 
     The thread blocks until a slot is free, `timeout` seconds pass, the workload's

@@ -1,7 +1,7 @@
 """The running event loop (asyncio or trio), asked once per slot and then directly.
 
 ``anyio`` looks the backend up on every call; a slot needs the clock, a checkpoint, a way to
-park and a way to be woken, so :func:`current` finds the running loop once and returns an
+park and a way to be woken, so `current()` finds the running loop once and returns an
 object that answers all of these without further lookups. The answers are exactly anyio's:
 ``loop.time()`` on asyncio, ``trio.current_time()`` on trio (a ``MockClock`` included).
 

@@ -213,12 +213,14 @@ def conformance_cases(
         ValueError: ``skip`` names something that is not a capability.
 
     Example:
-        >>> @pytest.mark.anyio
-        ... @pytest.mark.parametrize(
-        ...     "case", conformance_cases(create_limiter), ids=lambda case: case.name
-        ... )
-        ... async def test_conformance(case):
-        ...     await case.run()  # doctest: +SKIP
+        ```python
+        @pytest.mark.anyio
+        @pytest.mark.parametrize(
+            "case", conformance_cases(create_limiter), ids=lambda case: case.name
+        )
+        async def test_conformance(case):
+            await case.run()
+        ```
     """
     if isinstance(skip, str):
         skip = (skip,)
