@@ -332,7 +332,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             limit = state.rules.max_concurrent
             granted = state.release(lease.lease_id, self._clock())
             climbed = state.aimd is not None and state.rules.max_concurrent != limit
-            if not granted and not climbed:
+            if not granted and not climbed and not state.timed:
                 return
             wakers = self._settle(granted)
         _wake(wakers)
@@ -531,6 +531,12 @@ class MemoryLimiter(BuiltinLimiter[W]):
                 wakers += [t.waker for t in watchers.leave(ticket) if t.waker is not None]
         if expiries and watchers.alarms:
             wakers += watchers.earlier(min(expiries))
+        if watchers.alarms and self._state.timed:
+            # What changed may leave a waiter needing only a refill (a release gave it room,
+            # a charge emptied a bucket) sooner than any watcher would wake: re-arm them.
+            wake = self._state.next_wake(self._clock())
+            if wake is not None:
+                wakers += watchers.earlier(wake)
         return wakers
 
     def _epoch(self, moment: float, now: float) -> float:
