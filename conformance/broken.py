@@ -710,6 +710,16 @@ class RevokesOnShrink(Wrapped):
             await self.release(self._held[next(reversed(self._held))])
 
 
+class AppliesSettingsInTurn(Wrapped):
+    """Applies a new max_concurrent before it checks the other new settings: an invalid one
+    raises, but the new limit has taken effect."""
+
+    async def set_limits(self, **limits: Any) -> None:
+        if "max_concurrent" in limits:
+            await self.inner.set_limits(max_concurrent=limits.pop("max_concurrent"))
+        await self.inner.set_limits(**limits)
+
+
 class _Bucket:
     """A token bucket on the event loop's clock, full at the start."""
 

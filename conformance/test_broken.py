@@ -156,6 +156,12 @@ FLAWS = {
         broken.SleepsThroughPause, "pause", "the pause stopped its clock", broken.Wrapped
     ),
     "revokes_on_shrink": Flaw(broken.RevokesOnShrink, "set_limits", "revoked", broken.Wrapped),
+    "applies_settings_in_turn": Flaw(
+        broken.AppliesSettingsInTurn,
+        "set_limits",
+        "held at once with max_concurrent=3",
+        broken.Wrapped,
+    ),
 }
 
 
