@@ -19,6 +19,9 @@ __all__ = ("Bank", "Bucket", "BucketRule", "Cost", "bucket_key")
 # What one request costs: units per bucket kind ("requests", "tokens").
 Cost = Mapping[str, int]
 
+# The share of a cost a refill may fall short by through float rounding alone.
+_ROUNDING = 1e-9
+
 
 def bucket_key(scope: str | None, kind: str) -> str:
     """The name of a bucket: ``"requests"`` / ``"tokens"`` for the limiter's, and
@@ -54,9 +57,14 @@ class Bucket:
             )
             self.updated = now
 
+    def holds(self, cost: int) -> bool:
+        """Whether the bucket holds ``cost`` units, but for what float rounding of the refill
+        leaves short at the moment `wait` named."""
+        return self.level >= cost * (1 - _ROUNDING)
+
     def wait(self, cost: int) -> float:
         """Seconds until the bucket holds ``cost`` units (refilled to ``updated`` already)."""
-        if self.level >= cost:
+        if self.holds(cost):
             return 0.0
         if cost > self.rule.capacity:
             return math.inf

@@ -158,7 +158,7 @@ def allocate(
             assert cost is not None
             price = cost(heads[best])
             needs = list(bank.applying(best, price))
-            short = [key for key, bucket, units in needs if bucket.level < units]
+            short = [key for key, bucket, units in needs if not bucket.holds(units)]
             behind = [key for key, _, _ in needs if key in claimed]
             if short or behind:
                 claimed.update(key for key in short if key in price)  # the limiter's own

@@ -550,7 +550,10 @@ class LimiterState:
 
     def _blocked(self, ticket: Ticket, keys: list[str], wait: float, now: float) -> None:
         _waited(ticket, keys)
-        self._refill_at = min(self._refill_at, now + wait)
+        # Strictly later than now, even when rounding makes `now + wait` equal it: a waiter
+        # woken at `now` again would spin without the clock moving (a virtual clock never
+        # moves while a task runs).
+        self._refill_at = min(self._refill_at, max(now + wait, math.nextafter(now, math.inf)))
 
 
 def _waited(ticket: Ticket, reasons: list[str]) -> None:

@@ -19,6 +19,11 @@ async def test_conformance(case):
     await case.run()
 ```
 
+A limiter declares the capabilities that came with rates and provider pushback, and names
+those it lacks among the others: `conformance_cases(create_limiter, supports=["rates",
+"pushback"], skip={"stats": "counts live elsewhere"})`. The cases that need a capability it
+does not have are skipped, with the reason.
+
 Importing this package needs only slotwise and anyio.
 """
 
