@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from . import allocation, cancellation, handoff, memory, sync, tools, uncontended
-from ._harness import ANYIO, FULL, SLOTWISE, TINY, Row, Size
+from ._harness import ANYIO, FULL, SLOTWISE, TINY, Row, Size, cpu_model
 from .memory import BARE
 
 MEMORY_OVER_PARKED = 800  # bytes a waiting request may add to a task that waits anyway
@@ -51,18 +51,6 @@ TITLES = {
     f"and the hand-off between N threads behind a full limit of {sync.LIMIT} (higher grants/s "
     f"is better), against {sync.SEMAPHORE} doing the same",
 }
-
-
-def cpu_model() -> str:
-    """The CPU model named by /proc/cpuinfo, or the platform's guess."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def with_ratios(rows: list[Row]) -> list[Row]:
