@@ -7,7 +7,8 @@ any of them.
 It prints ``{"port": N}`` on its first line, serves on 127.0.0.1:N until its standard input
 closes, and keeps to the standard library so that its own cost stays small and fixed.
 
-- Requests and tokens are token buckets, full at the start (or at ``POST /reset``) and
+- Requests and tokens are token buckets, full at the start (or at ``POST /reset``, whose
+  optional ``{"start_in": seconds}`` says when the run starts) and
   refilling continuously: ``rpm / 60`` requests and ``tpm / 60`` tokens a second.
 - A request is admitted when a request is left in the first bucket, its prompt tokens plus
   its ``max_tokens`` in the second, and fewer than ``concurrency`` requests are in flight. It
@@ -24,8 +25,9 @@ closes, and keeps to the standard library so that its own cost stays small and f
 
 ``GET /stats`` returns what it admitted and refused since the last reset: requests, tokens
 used (prompt plus output), busy time (the sum of the admitted requests' durations, to compare
-with ``concurrency`` x the elapsed time), the most requests in flight at once, and the
-refusals by the limit that caused them.
+with ``concurrency`` x the elapsed time), the most requests in flight at once, the refusals by
+the limit that caused them and per second, and for how long each bucket sat full (its refill
+lost: capacity that nobody used), up to the last request.
 """
 
 from __future__ import annotations
@@ -45,14 +47,19 @@ REASONS = ("requests", "tokens", "concurrency")
 class Bucket:
     """A token bucket: ``capacity`` per ``per`` seconds, full at the start."""
 
-    def __init__(self, capacity: float, per: float = 60.0) -> None:
+    def __init__(self, capacity: float, per: float = 60.0, start: float | None = None) -> None:
         self.capacity = capacity
         self.rate = capacity / per
         self.level = capacity
-        self.stamp = time.monotonic()
+        self.stamp = time.monotonic() if start is None else start
+        self.wasted = 0.0  # refill lost to a full bucket: capacity nobody used
 
     def refill(self, now: float) -> None:
-        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+        if now <= self.stamp:
+            return
+        level = self.level + (now - self.stamp) * self.rate
+        self.wasted += max(0.0, level - self.capacity)
+        self.level = min(self.capacity, level)
         self.stamp = now
 
     def wait(self, amount: float) -> float:
@@ -71,17 +78,19 @@ class Provider:
         self.rng = random.Random(seed)
         self.reset()
 
-    def reset(self) -> None:
-        self.requests = Bucket(self.rpm)
-        self.tokens = Bucket(self.tpm)
+    def reset(self, start_in: float = 0.0) -> None:
+        """Full buckets and no counts, as of ``start_in`` seconds from now."""
+        self.started = time.monotonic() + start_in
+        self.requests = Bucket(self.rpm, start=self.started)
+        self.tokens = Bucket(self.tpm, start=self.started)
         self.ends: list[float] = []  # when each request in flight ends
-        self.started = time.monotonic()
         self.admitted = 0
         self.completed = 0
         self.tokens_used = 0
         self.busy = 0.0
         self.max_in_flight = 0
         self.refused = dict.fromkeys(REASONS, 0)
+        self.refused_per_second: list[int] = []  # 429s in each second since the reset
         self.serial = 0
 
     def stats(self) -> dict[str, Any]:
@@ -93,6 +102,11 @@ class Provider:
             "busy": self.busy,
             "max_in_flight": self.max_in_flight,
             "refused": dict(self.refused),
+            "refused_per_second": self.refused_per_second,
+            "seconds_full": {
+                kind: bucket.wasted / bucket.rate
+                for kind, bucket in (("requests", self.requests), ("tokens", self.tokens))
+            },
             "limits": {"rpm": self.rpm, "tpm": self.tpm, "concurrency": self.concurrency},
         }
 
@@ -121,6 +135,10 @@ class Provider:
         if waits:
             reason = max(waits, key=waits.__getitem__)
             self.refused[reason] += 1
+            second = max(0, int(now - self.started))
+            while len(self.refused_per_second) <= second:
+                self.refused_per_second.append(0)
+            self.refused_per_second[second] += 1
             retry_after = max(0.001, waits[reason])
             headers = self._rate_headers()
             headers["retry-after"] = str(math.ceil(retry_after))
@@ -178,7 +196,7 @@ class Provider:
         if method == "POST" and path == "/v1/chat/completions":
             return await self.complete(json.loads(body))
         if method == "POST" and path == "/reset":
-            self.reset()
+            self.reset(**json.loads(body or b"{}"))
             return 200, {}, {}
         if method == "GET" and path == "/stats":
             return 200, {}, self.stats()
