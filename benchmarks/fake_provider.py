@@ -27,7 +27,9 @@ closes, and keeps to the standard library so that its own cost stays small and f
 used (prompt plus output), busy time (the sum of the admitted requests' durations, to compare
 with ``concurrency`` x the elapsed time), the most requests in flight at once, the refusals by
 the limit that caused them and per second, and for how long each bucket sat full (its refill
-lost: capacity that nobody used), up to the last request.
+lost: capacity that nobody used), up to the last request; after a reset that gave the run's
+``duration``, a timeline: the buckets' levels, the requests in flight and the counts, each
+second and at the end of the run.
 """
 
 from __future__ import annotations
@@ -76,10 +78,16 @@ class Provider:
     def __init__(self, *, rpm: int, tpm: int, concurrency: int, seed: int = 0) -> None:
         self.rpm, self.tpm, self.concurrency = rpm, tpm, concurrency
         self.rng = random.Random(seed)
+        self.sampler: asyncio.Task[None] | None = None
         self.reset()
 
-    def reset(self, start_in: float = 0.0) -> None:
-        """Full buckets and no counts, as of ``start_in`` seconds from now."""
+    def reset(self, start_in: float = 0.0, duration: float | None = None) -> None:
+        """Full buckets and no counts, as of ``start_in`` seconds from now; with a
+        ``duration``, a timeline of the run, one sample a second and one at its end."""
+        if self.sampler is not None:
+            self.sampler.cancel()
+            self.sampler = None
+        self.timeline: list[dict[str, float]] = []
         self.started = time.monotonic() + start_in
         self.requests = Bucket(self.rpm, start=self.started)
         self.tokens = Bucket(self.tpm, start=self.started)
@@ -92,6 +100,27 @@ class Provider:
         self.refused = dict.fromkeys(REASONS, 0)
         self.refused_per_second: list[int] = []  # 429s in each second since the reset
         self.serial = 0
+        if duration is not None:
+            self.sampler = asyncio.get_running_loop().create_task(self.sample(duration))
+
+    async def sample(self, duration: float) -> None:
+        t = 0.0
+        while t < duration:
+            t = min(t + 1.0, duration)
+            await asyncio.sleep(self.started + t - time.monotonic())
+            now = time.monotonic()
+            self.requests.refill(now)
+            self.tokens.refill(now)
+            self.timeline.append(
+                {
+                    "t": round(now - self.started, 3),
+                    "tokens": round(self.tokens.level),
+                    "requests": round(self.requests.level, 1),
+                    "in_flight": len(self.ends),
+                    "admitted": self.admitted,
+                    "refused": sum(self.refused.values()),
+                }
+            )
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -103,6 +132,7 @@ class Provider:
             "max_in_flight": self.max_in_flight,
             "refused": dict(self.refused),
             "refused_per_second": self.refused_per_second,
+            "timeline": self.timeline,
             "seconds_full": {
                 kind: bucket.wasted / bucket.rate
                 for kind, bucket in (("requests", self.requests), ("tokens", self.tokens))

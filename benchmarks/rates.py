@@ -398,13 +398,16 @@ async def sender(spec: dict[str, Any], driver: Driver) -> AsyncIterator[Send]:
             limiter = MemoryLimiter(name=spec["name"], **limiter_settings(key))
         pauses = 0
         limits: list[int] = []
+        events: list[tuple[float, str, float]] = []  # for the timeline
 
         def count(event: Any) -> None:
             nonlocal pauses
             if event.kind == "paused":
                 pauses += 1
+                events.append((time.time(), "paused for", event.until - time.time()))
             elif event.kind == "limit-changed":
                 limits.append(event.new)
+                events.append((time.time(), "limit", event.new))
 
         unsubscribe = limiter.subscribe(count)
         try:
@@ -416,6 +419,7 @@ async def sender(spec: dict[str, Any], driver: Driver) -> AsyncIterator[Send]:
                 "pauses": pauses,
                 "lowest_limit": min(limits, default=None),
                 "final_limit": getattr(stats, "effective_max_concurrent", None),
+                "events": events,
             }
         finally:
             unsubscribe()
@@ -581,6 +585,8 @@ def figures(
             + ", ".join(f"{kind} {n:,}" for kind, n in provider["refused"].items() if n)
         )
     notes.append(f"token bucket full {provider['seconds_full']['tokens']:.1f} s")
+    if provider["timeline"]:
+        notes.append(f"{provider['timeline'][-1]['tokens']:,} tokens left at the end")
     return Figures(
         variant=variant,
         shape=shape,
@@ -703,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--tasks", type=int, default=100, help="tasks per process")
     parser.add_argument("--dsn", default=DSN, help="PostgreSQL for the PostgresLimiter variants")
+    parser.add_argument(
+        "--timeline", metavar="PATH", help="write the provider's timeline of each variant (JSON)"
+    )
     parser.add_argument("--tiny", action="store_true", help="2 s, 2 x 10 tasks: a smoke run")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -736,6 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     provider = Provider()
     workers: list[Process] = []
     rows: list[Figures] = []
+    timelines: dict[str, Any] = {}
     try:
         for key in keys:
             variant = VARIANTS[key]
@@ -762,12 +772,21 @@ def main(argv: list[str] | None = None) -> int:
                 child.send({**spec, "seed": i * tasks})  # the same requests in every shape
             for child in workers[:processes]:
                 child.receive()  # ready
-            provider.call("POST", "/reset", {"start_in": 0.5})
+            provider.call("POST", "/reset", {"start_in": 0.5, "duration": args.duration})
             start_at = time.time() + 0.5
             for child in workers[:processes]:
                 child.send({"go": start_at})
             results = [child.receive()["result"] for child in workers[:processes]]
-            row = figures(variant, shape, args.duration, provider.call("GET", "/stats"), results)
+            stats = provider.call("GET", "/stats")
+            timelines[key] = {
+                "provider": stats["timeline"],
+                "limiter": sorted(
+                    (round(at - start_at, 3), kind, round(value, 3))
+                    for result in results
+                    for at, kind, value in result["notes"].get("events", ())
+                ),
+            }
+            row = figures(variant, shape, args.duration, stats, results)
             rows.append(attrs.evolve(row, load=os.getloadavg()[0]))
             if variant.postgres:
                 drop_schema(args.dsn)
@@ -780,6 +799,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n## targets\n")
     for line in verdicts(rows):
         print(line)
+    if args.timeline:
+        with open(args.timeline, "w", encoding="utf-8") as out:
+            json.dump(timelines, out)
+        print(f"\nthe timelines (the provider's each second, slotwise's events): {args.timeline}")
     print(f"\ntotal time {time.perf_counter() - started:.0f} s")
     return 0
 
