@@ -1,6 +1,7 @@
 """Rates, tokens and pushback against a fake provider: 429s, capacity used, latency.
 
     python -m benchmarks.rates [--duration 60] [--variant NAME ...] [--dsn CONNINFO] [--tiny]
+                               [--pushback SLOTS,RATES] [--timeline PATH]
 
 A fake provider (`benchmarks.fake_provider`, its own process) enforces 600 requests and
 100,000 tokens a minute (token buckets, full at the start) and 16 requests in flight, and
@@ -30,7 +31,8 @@ Each variant is what a user would write, and differs only in what paces the atte
   ``slot.throttled(retry_after)`` on a 429 (after ``used_tokens(0)``: a refusal costs no
   tokens) and ``slot.provider_remaining(...)`` with the ``x-ratelimit-remaining-*`` headers.
 - ``pushback-postgres``: the same, configured at twice the provider's limits (32 slots, 1,200
-  RPM, 200,000 TPM) with ``adaptive=Adaptive(min_concurrent=2)``.
+  RPM, 200,000 TPM) with ``adaptive=Adaptive(min_concurrent=2)``; ``--pushback 2,1`` sets
+  only the concurrency too high, ``--pushback 1,2`` only the rates.
 - ``slotwise-memory`` and ``pushback-memory``: the same with a `MemoryLimiter` in one process
   of 400 tasks, which stands in when the PostgreSQL variants cannot run.
 
@@ -173,12 +175,14 @@ PEERS = ("none", "backoff", "semaphore", "aiolimiter", "litellm")
 STAND_IN = {"slotwise-postgres": "slotwise-memory", "pushback-postgres": "pushback-memory"}
 
 
-def limiter_settings(key: str) -> dict[str, Any]:
-    """A slotwise variant's limits: the provider's, or twice them with an adaptive limit."""
+def limiter_settings(key: str, factors: tuple[int, int] = (2, 2)) -> dict[str, Any]:
+    """A slotwise variant's limits: the provider's, or for pushback ``factors`` times its
+    concurrency and rates (twice both by default) with an adaptive limit."""
     if key.startswith("pushback"):
+        slots, rates = factors
         return {
-            "max_concurrent": 2 * CONCURRENCY,
-            "rate": Rate(requests=2 * RPM, tokens=2 * TPM, per=60.0),
+            "max_concurrent": slots * CONCURRENCY,
+            "rate": Rate(requests=rates * RPM, tokens=rates * TPM, per=60.0),
             "adaptive": Adaptive(min_concurrent=2),
         }
     return {"max_concurrent": CONCURRENCY, "rate": Rate(requests=RPM, tokens=TPM, per=60.0)}
@@ -392,10 +396,10 @@ async def sender(spec: dict[str, Any], driver: Driver) -> AsyncIterator[Send]:
                 name=spec["name"],
                 schema=SCHEMA,
                 ensure_schema=False,
-                **limiter_settings(key),
+                **limiter_settings(key, spec["factors"]),
             )
         else:
-            limiter = MemoryLimiter(name=spec["name"], **limiter_settings(key))
+            limiter = MemoryLimiter(name=spec["name"], **limiter_settings(key, spec["factors"]))
         pauses = 0
         limits: list[int] = []
         events: list[tuple[float, str, float]] = []  # for the timeline
@@ -693,6 +697,13 @@ def choose(requested: list[str] | None, dsn: str) -> tuple[list[str], dict[str, 
     return keys, skipped
 
 
+def factors(text: str) -> tuple[int, int]:
+    slots, rates = (int(part) for part in text.split(","))
+    if slots < 1 or rates < 1:
+        raise ValueError(text)
+    return slots, rates
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.rates",
@@ -709,6 +720,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--tasks", type=int, default=100, help="tasks per process")
     parser.add_argument("--dsn", default=DSN, help="PostgreSQL for the PostgresLimiter variants")
+    parser.add_argument(
+        "--pushback",
+        type=factors,
+        default=(2, 2),
+        metavar="SLOTS,RATES",
+        help="the pushback variants' limits as multiples of the provider's: concurrency, "
+        "then rates (default 2,2)",
+    )
     parser.add_argument(
         "--timeline", metavar="PATH", help="write the provider's timeline of each variant (JSON)"
     )
@@ -749,6 +768,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for key in keys:
             variant = VARIANTS[key]
+            if key.startswith("pushback") and args.pushback != (2, 2):
+                slots, rates = args.pushback
+                label = variant.label.replace("2x limits", f"{slots}x slots, {rates}x rates")
+                variant = attrs.evolve(variant, label=label)
             processes = 1 if variant.one_process else args.processes
             tasks = args.tasks * args.processes // processes
             shape = f"{processes} x {tasks}"
@@ -767,6 +790,7 @@ def main(argv: list[str] | None = None) -> int:
                 "duration": args.duration,
                 "dsn": args.dsn,
                 "name": f"rates-{key}-{os.getpid()}",
+                "factors": args.pushback,
             }
             for i, child in enumerate(workers[:processes]):
                 child.send({**spec, "seed": i * tasks})  # the same requests in every shape
