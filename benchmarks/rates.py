@@ -87,7 +87,7 @@ PROMPT = (200, 8_000)  # prompt tokens, log-uniform
 MAX_TOKENS = (100, 1_000)  # max_tokens, log-uniform
 OUTPUT = (0.3, 1.0)  # the provider's output, as a share of max_tokens
 DSN = os.environ.get("SLOTWISE_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
-SCHEMA = "slotwise_bench_rates"
+SCHEMA = f"slotwise_bench_rates_{os.getpid()}"  # this run's own: runs may overlap
 
 
 def _loguniform_mean(low: float, high: float) -> float:
@@ -394,7 +394,7 @@ async def sender(spec: dict[str, Any], driver: Driver) -> AsyncIterator[Send]:
             limiter = PostgresLimiter(
                 spec["dsn"],
                 name=spec["name"],
-                schema=SCHEMA,
+                schema=spec["schema"],
                 ensure_schema=False,
                 **limiter_settings(key, spec["factors"]),
             )
@@ -765,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     workers: list[Process] = []
     rows: list[Figures] = []
     timelines: dict[str, Any] = {}
+    prepared = False
     try:
         for key in keys:
             variant = VARIANTS[key]
@@ -780,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if variant.postgres:
                 prepare_schema(args.dsn)
+                prepared = True
             while len(workers) < processes:
                 workers.append(Process("-m", "benchmarks.rates", "--worker"))
             spec = {
@@ -791,6 +793,7 @@ def main(argv: list[str] | None = None) -> int:
                 "dsn": args.dsn,
                 "name": f"rates-{key}-{os.getpid()}",
                 "factors": args.pushback,
+                "schema": SCHEMA,
             }
             for i, child in enumerate(workers[:processes]):
                 child.send({**spec, "seed": i * tasks})  # the same requests in every shape
@@ -812,12 +815,12 @@ def main(argv: list[str] | None = None) -> int:
             }
             row = figures(variant, shape, args.duration, stats, results)
             rows.append(attrs.evolve(row, load=os.getloadavg()[0]))
-            if variant.postgres:
-                drop_schema(args.dsn)
     finally:
         for child in workers:
             child.close()
         provider.close()
+        if prepared:
+            drop_schema(args.dsn)
     print(f"\n## rates: {args.duration:g} s per variant, against the provider's own counts\n")
     print(format_table(rows))
     print("\n## targets\n")
