@@ -8,6 +8,10 @@ Options:
     --backend NAME     asyncio, trio or all. By default the uncontended cycle runs on both
                        and the other sections on asyncio, whose asyncio.Semaphore they compare
                        with; ``all`` runs every section on both.
+
+Two benchmarks run on their own: ``python -m benchmarks.rates`` (429s, capacity used and
+latency against a fake provider with RPM, TPM and concurrency limits; minutes, not seconds)
+and ``python benchmarks/postgres_load.py`` (PostgresLimiter under load).
 """
 
 from __future__ import annotations
@@ -203,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Measure slotwise beside its peers, in one run, with ratios and targets.",
+        epilog="On their own: python -m benchmarks.rates (429s and capacity used against a "
+        "fake provider with RPM, TPM and concurrency limits, about 7 minutes) and "
+        "python benchmarks/postgres_load.py (PostgresLimiter under load).",
     )
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument(

@@ -717,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help=f"run this variant (repeatable): {', '.join(VARIANTS)}, or all",
     )
-    parser.add_argument("--processes", type=int, default=4)
+    parser.add_argument("--processes", type=int, default=4, help="worker processes")
     parser.add_argument("--tasks", type=int, default=100, help="tasks per process")
     parser.add_argument("--dsn", default=DSN, help="PostgreSQL for the PostgresLimiter variants")
     parser.add_argument(
@@ -743,11 +743,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     load = os.getloadavg()[0]
     tokens, duration = mix_mean()
-    allowed = min(
-        (RPM + RPM / 60 * args.duration) / args.duration,
-        (TPM + TPM / 60 * args.duration) / args.duration / tokens,
-        CONCURRENCY / duration,
-    )
+    per_limit = {  # requests per second each limit allows the mix over the run
+        "requests": (RPM + RPM / 60 * args.duration) / args.duration,
+        "tokens": (TPM + TPM / 60 * args.duration) / args.duration / tokens,
+        "concurrency": CONCURRENCY / duration,
+    }
+    binding = min(per_limit, key=per_limit.__getitem__)
     print(
         f"slotwise rates benchmark: Python {platform.python_version()} on "
         f"{cpu_model()}, {os.cpu_count()} CPUs, load average "
@@ -757,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"provider: {RPM} RPM, {TPM:,} TPM, {CONCURRENCY} in flight (buckets full at the start); "
         f"mix: {tokens:,.0f} tokens and {duration:.2f} s per request on average, so it allows "
-        f"{allowed:.2f} requests/s over {args.duration:g} s (tokens bind); "
+        f"{per_limit[binding]:.2f} requests/s over {args.duration:g} s ({binding} bind); "
         f"{args.processes} processes x {args.tasks} tasks, each retrying until success"
     )
     keys, skipped = choose(args.variant, args.dsn)
