@@ -8,6 +8,10 @@ Options:
     --backend NAME     asyncio, trio or all. By default the uncontended cycle runs on both
                        and the other sections on asyncio, whose asyncio.Semaphore they compare
                        with; ``all`` runs every section on both.
+
+Two benchmarks run on their own: ``python -m benchmarks.rates`` (429s, capacity used and
+latency against a fake provider with RPM, TPM and concurrency limits; minutes, not seconds)
+and ``python benchmarks/postgres_load.py`` (PostgresLimiter under load).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from . import allocation, cancellation, handoff, memory, sync, tools, uncontended
-from ._harness import ANYIO, FULL, SLOTWISE, TINY, Row, Size
+from ._harness import ANYIO, FULL, SLOTWISE, TINY, Row, Size, cpu_model
 from .memory import BARE
 
 MEMORY_OVER_PARKED = 800  # bytes a waiting request may add to a task that waits anyway
@@ -51,18 +55,6 @@ TITLES = {
     f"and the hand-off between N threads behind a full limit of {sync.LIMIT} (higher grants/s "
     f"is better), against {sync.SEMAPHORE} doing the same",
 }
-
-
-def cpu_model() -> str:
-    """The CPU model named by /proc/cpuinfo, or the platform's guess."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def with_ratios(rows: list[Row]) -> list[Row]:
@@ -215,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Measure slotwise beside its peers, in one run, with ratios and targets.",
+        epilog="On their own: python -m benchmarks.rates (429s and capacity used against a "
+        "fake provider with RPM, TPM and concurrency limits, about 7 minutes) and "
+        "python benchmarks/postgres_load.py (PostgresLimiter under load).",
     )
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument(
