@@ -350,6 +350,48 @@ async def test_a_waiter_is_woken_when_its_bucket_refills_and_says_so() -> None:
 
 
 @on_mock_clock()
+async def test_a_waiter_blocked_by_a_bucket_at_anothers_release_is_woken_at_the_refill() -> None:
+    # It parked waiting for a slot; the release that frees one finds its bucket short, so
+    # from then on it waits for the refill, which nobody's timer was set for.
+    limiter = MemoryLimiter(name="tpm", max_concurrent=1, rate=Rate(tokens=1_000, per=10.0))
+    granted: list[float] = []
+
+    async def second() -> None:
+        async with limiter.slot(tokens=900, allow_nested=True):  # started inside a slot
+            granted.append(now())
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg, limiter.slot(tokens=900) as slot:
+            tg.start_soon(second)
+            await anyio.sleep(1.0)
+            slot.used_tokens(900)
+            # At 1 s the bucket holds 100 + 100 refilled: 700 more take 7 s.
+    assert granted == [pytest.approx(8.0)]
+
+
+@on_mock_clock()
+async def test_a_waiter_freed_a_slot_then_short_of_tokens_is_woken_when_they_refill() -> None:
+    # It waited for a slot first, with nothing to refill; the release that gave it room
+    # leaves it waiting for its tokens, and the clock must now wake it at the refill.
+    limiter = MemoryLimiter(name="tpm", max_concurrent=1, rate=Rate(tokens=100, per=10.0))
+    holder = await slotwise.acquire(limiter=limiter, tokens=100)
+    granted = anyio.Event()
+
+    async def waiter() -> None:
+        async with limiter.slot(tokens=100, allow_nested=True):
+            granted.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        released_at = now()
+        await holder.release()
+        with anyio.fail_after(60):  # its lease would expire after 30 s: the wake-up then
+            await granted.wait()
+    assert now() - released_at == pytest.approx(10.0)
+
+
+@on_mock_clock()
 async def test_max_wait_ends_a_wait_for_a_bucket() -> None:
     limiter = MemoryLimiter(
         name="rpm",

@@ -9,8 +9,10 @@ included, by whichever task or thread closes it:
 from openai import AsyncOpenAI, OpenAI
 import slotwise.httpx
 
-openai = AsyncOpenAI(http_client=slotwise.httpx.client(limiter=claude, workload="interactive"))
-# In code with no event loop (Django, Flask, Celery, scripts), the sync SDK clients:
+openai = AsyncOpenAI(
+    http_client=slotwise.httpx.client(limiter=claude, workload="interactive")
+)
+# In code with no event loop (Django, Flask, Celery, scripts), the sync clients:
 openai_sync = OpenAI(http_client=slotwise.httpx.sync_client(limiter=claude))
 ```
 
@@ -58,6 +60,7 @@ import anyio
 from . import ConcurrencyError, Outcome, ReclaimedEvent, Slot, acquire, current_run
 from ._config import Rate, seconds
 from ._errors import ConcurrencyConfigError
+from ._protocol import Limiter, TypedLimiter, W
 from ._provider import UsageMeter, estimate_tokens, read_rate_headers, usage_meter
 from ._runtime.lifecycle import acquire_sync, can_block, outcome_of
 from ._runtime.loop import later, loop_identity, now, spawn
@@ -91,7 +94,7 @@ _PUSHBACK = frozenset({429, 503, 529})
 @overload
 def client(
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
     workload: str | None = None,
     stack: Literal["httpx2"] = "httpx2",
     idle_timeout: float | None = 60.0,
@@ -102,8 +105,30 @@ def client(
 @overload
 def client(
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
     workload: str | None = None,
+    stack: Literal["httpx"],
+    idle_timeout: float | None = 60.0,
+    **client_kwargs: Any,
+) -> httpx.AsyncClient: ...
+
+
+@overload
+def client(
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
+    stack: Literal["httpx2"] = "httpx2",
+    idle_timeout: float | None = 60.0,
+    **client_kwargs: Any,
+) -> httpx2.AsyncClient: ...
+
+
+@overload
+def client(
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
     stack: Literal["httpx"],
     idle_timeout: float | None = 60.0,
     **client_kwargs: Any,
@@ -112,7 +137,7 @@ def client(
 
 def client(
     *,
-    limiter: Any = None,
+    limiter: Limiter[Any] | None = None,
     workload: str | None = None,
     stack: Literal["httpx2", "httpx"] = "httpx2",
     idle_timeout: float | None = 60.0,
@@ -163,7 +188,7 @@ def client(
 @overload
 def sync_client(
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
     workload: str | None = None,
     stack: Literal["httpx2"] = "httpx2",
     idle_timeout: float | None = 60.0,
@@ -174,8 +199,30 @@ def sync_client(
 @overload
 def sync_client(
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
     workload: str | None = None,
+    stack: Literal["httpx"],
+    idle_timeout: float | None = 60.0,
+    **client_kwargs: Any,
+) -> httpx.Client: ...
+
+
+@overload
+def sync_client(
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
+    stack: Literal["httpx2"] = "httpx2",
+    idle_timeout: float | None = 60.0,
+    **client_kwargs: Any,
+) -> httpx2.Client: ...
+
+
+@overload
+def sync_client(
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
     stack: Literal["httpx"],
     idle_timeout: float | None = 60.0,
     **client_kwargs: Any,
@@ -184,7 +231,7 @@ def sync_client(
 
 def sync_client(
     *,
-    limiter: Any = None,
+    limiter: Limiter[Any] | None = None,
     workload: str | None = None,
     stack: Literal["httpx2", "httpx"] = "httpx2",
     idle_timeout: float | None = 60.0,
@@ -266,10 +313,30 @@ def _import(stack: str, function: str) -> ModuleType:
         ) from exc
 
 
+@overload
 def wrap(
     client: T,
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
+    workload: str | None = None,
+    idle_timeout: float | None = 60.0,
+) -> T: ...
+
+
+@overload
+def wrap(
+    client: T,
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
+    idle_timeout: float | None = 60.0,
+) -> T: ...
+
+
+def wrap(
+    client: T,
+    *,
+    limiter: Limiter[Any] | None = None,
     workload: str | None = None,
     idle_timeout: float | None = 60.0,
 ) -> T:
@@ -315,10 +382,30 @@ def wrap(
     return client
 
 
+@overload
 def transport(
     inner: T,
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
+    workload: str | None = None,
+    idle_timeout: float | None = 60.0,
+) -> T: ...
+
+
+@overload
+def transport(
+    inner: T,
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
+    idle_timeout: float | None = 60.0,
+) -> T: ...
+
+
+def transport(
+    inner: T,
+    *,
+    limiter: Limiter[Any] | None = None,
     workload: str | None = None,
     idle_timeout: float | None = 60.0,
 ) -> T:

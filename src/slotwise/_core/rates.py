@@ -18,10 +18,8 @@ __all__ = ("Bank", "Bucket", "BucketRule", "Cost", "bucket_key")
 
 # What one request costs: units per bucket kind ("requests", "tokens").
 Cost = Mapping[str, int]
-# Levels are sums of float refills: a level this close below what a grant needs holds it.
-# Without the slack, a bucket short by a rounding error would ask for a wait too small to
-# move a float clock, and its waiter would wake at the same instant for ever.
-_SLACK = 1e-9
+# The share of a cost a refill may fall short by through float rounding alone.
+_ROUNDING = 1e-9
 
 
 def bucket_key(scope: str | None, kind: str) -> str:
@@ -72,8 +70,9 @@ class Bucket:
             self.updated = now
 
     def holds(self, cost: int) -> bool:
-        """Whether the bucket can grant ``cost`` units now (refilled to ``updated``)."""
-        return self.level + _SLACK >= self.rule.need(cost)
+        """Whether the bucket can grant ``cost`` units now (refilled to ``updated``), but for
+        what float rounding of the refill leaves short at the moment `wait` named."""
+        return self.level >= self.rule.need(cost) * (1 - _ROUNDING)
 
     def wait(self, cost: int) -> float:
         """Seconds until the bucket can grant ``cost`` units (refilled to ``updated``

@@ -23,7 +23,6 @@ from psycopg_pool import AsyncConnectionPool
 
 from .._base import BuiltinLimiter
 from .._config import (
-    DEFAULT_LEASE_TTL,
     Settings,
     Workload,
     build_settings,
@@ -37,13 +36,13 @@ from .._errors import (
     ConcurrencyLimiterError,
     ConcurrencyQueueFullError,
 )
-from .._protocol import AcquireRequest, Lease, SupportsLease
+from .._protocol import AcquireRequest, Lease, SupportsLease, W
+from .._runtime.lifecycle import SlotContext
 from .._stats import LimiterStats
 from ._schema import channel_name, schema_ddl
 
 __all__ = ("PostgresLimiter",)
 
-W = TypeVar("W", bound=str)
 T = TypeVar("T")
 Conn = psycopg.AsyncConnection[TupleRow]
 
@@ -87,14 +86,14 @@ class PostgresLimiter(BuiltinLimiter[W]):
     """A limiter whose slots live in PostgreSQL, shared by every process using its name.
 
     Each allocation is one short transaction that holds the limiter's row lock and runs the
-    same allocation rules as :class:`slotwise.MemoryLimiter`; no connection is held while a
+    same allocation rules as `slotwise.MemoryLimiter`; no connection is held while a
     request waits or while the body runs. Lease expiry and wait deadlines are on the
     database clock. In each process one poller per limiter serves every local waiter, and
-    ``LISTEN``/``NOTIFY`` wakes it when another process grants it a slot, so the database
+    `LISTEN`/`NOTIFY` wakes it when another process grants it a slot, so the database
     load grows with processes, not with waiters.
 
-    asyncio only (psycopg's async API): under trio, ``acquire`` fails with
-    ``ConcurrencyConfigError``.
+    asyncio only (psycopg's async API): under trio, `acquire` fails with
+    `ConcurrencyConfigError`.
 
     Args:
         conninfo: A libpq connection string (the limiter creates and closes its own pool),
@@ -111,7 +110,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         queue_entry_ttl: Seconds after which a dead process's queue entries are dropped.
         schema: The schema of the tables (quoted as an identifier).
         ensure_schema: Create the tables on first use; False when a migration applied
-            :func:`schema_sql`.
+            `schema_sql()`.
         on_conflict: ``"error"``: limits that differ from those stored for this name raise
             ``ConcurrencyConfigError``; ``"replace"``: store these limits instead.
         listen: ``True``: a session connection (outside the pool) receives notifications;
@@ -129,12 +128,12 @@ class PostgresLimiter(BuiltinLimiter[W]):
         ConcurrencyConfigError: a setting is invalid; the message names it.
 
     Example:
-        >>> claude = PostgresLimiter(  # doctest: +SKIP
-        ...     "postgresql://app@db/app", name="claude", max_concurrent=8
-        ... )
-        >>> async with claude:  # doctest: +SKIP
-        ...     async with claude.slot():
-        ...         ...
+        ```python
+        claude = PostgresLimiter("postgresql://app@db/app", name="claude", max_concurrent=8)
+        async with claude:  # or `await claude.aclose()` when done
+            async with claude.slot():
+                ...
+        ```
     """
 
     __slots__ = (
@@ -207,7 +206,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         name: str = "default",
         max_concurrent: int,
         max_queued: int | None = None,
-        lease_ttl: float = DEFAULT_LEASE_TTL,
+        lease_ttl: float = 30.0,
         workloads: Mapping[W, Workload] | None = None,
         default_workload: str | None = None,
         poll_interval: float = 0.1,
@@ -339,6 +338,12 @@ class PostgresLimiter(BuiltinLimiter[W]):
             await self._pool.close()
         self._started = False
 
+    def slot(
+        self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
+    ) -> SlotContext[W]:
+        """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
+        return SlotContext(workload, self, allow_nested, tokens)
+
     async def stats(self) -> LimiterStats:
         """Active and queued requests across every process, in total and per workload."""
         await self.start()
@@ -351,8 +356,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     # -- the Limiter protocol -------------------------------------------------------------
 
-    async def acquire(self, request: AcquireRequest) -> Lease:
-        """Wait for a slot (see :class:`slotwise.Limiter`); safe to cancel at any point.
+    async def acquire(self, request: AcquireRequest[W]) -> Lease:
+        """Wait for a slot (see `slotwise.Limiter`); safe to cancel at any point.
 
         Raises:
             ConcurrencyTimeoutError: no slot before the deadline or ``max_wait``.
