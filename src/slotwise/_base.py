@@ -1,11 +1,12 @@
 """What every built-in limiter offers beside the Limiter protocol: its settings, ``slot()``
 and ``subscribe()``."""
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
 from ._config import Settings, Workload, resolve_workload
-from ._events import ConcurrencyEvent
+from ._events import ConcurrencyEvent, LimitChangedEvent
 from ._runtime import dispatch
 from ._runtime.lifecycle import SlotContext, SyncSlotContext, slot, sync_slot
 from ._stats import BucketStats, LimiterStats, WorkloadStats
@@ -114,3 +115,22 @@ class BuiltinLimiter(Generic[W]):
             paused_until=paused_until,
             buckets=buckets or {},
         )
+
+    def _limit_changed(self, old: int, new: int, reason: str) -> None:
+        """Emit `limit-changed`: the limit in force went from `old` to `new`."""
+        if dispatch._subscriptions and dispatch.wants(self):
+            dispatch.emit(
+                self,
+                LimitChangedEvent(
+                    timestamp=time.time(),
+                    limiter=self.name,
+                    workload=None,
+                    run_id=None,
+                    root_run_id=None,
+                    parent_run_id=None,
+                    request_id=None,
+                    old=old,
+                    new=new,
+                    reason=reason,
+                ),
+            )
