@@ -514,7 +514,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
         """Active and queued requests across every process, in total and per workload, and
         the rate buckets, the pause and the limit in force, which every process shares."""
         await self.start()
-        if self._pending:  # what this process learned from the provider counts already
+        if self._pending or self._applying is not None:
+            # What this process learned from the provider counts already.
             cycle = await self._run_cycle()
             self._deliver(cycle.granted)
         rows, state = await self._run(self._stats_rows)
