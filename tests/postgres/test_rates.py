@@ -158,8 +158,13 @@ async def test_a_waiter_is_woken_when_its_bucket_refills_not_at_the_next_poll(
     make: Make,
 ) -> None:
     # Polls half a minute apart: only the wake computed from the bucket can grant in time.
-    taker = make(max_concurrent=5, rate=Rate(requests=1, per=1.0), poll_interval=30.0)
-    waiter = make(max_concurrent=5, rate=Rate(requests=1, per=1.0), poll_interval=30.0)
+    limits: dict[str, Any] = {
+        "max_concurrent": 5,
+        "rate": Rate(requests=1, per=1.0),
+        "poll_interval": 30.0,
+        "queue_entry_ttl": 120.0,  # entries are refreshed every third of it, by a poll
+    }
+    taker, waiter = make(**limits), make(**limits)
     async with taker.slot():
         pass
     with anyio.fail_after(10):
@@ -558,7 +563,10 @@ async def test_a_workload_queue_bound_holds_across_processes(make: Make, eventua
         for count in (1, 2):
             tg.start_soon(_enter, (limiter, other)[count % 2], "background")
             await eventually(lambda count=count: queued(limiter, count))  # type: ignore[misc]
-        with pytest.raises(ConcurrencyQueueFullError, match="workload 'background'"):
+        with (
+            anyio.fail_after(10),
+            pytest.raises(ConcurrencyQueueFullError, match="workload 'background'"),
+        ):
             async with other.slot("background"):
                 pass
         tg.start_soon(_enter, other, "interactive")
