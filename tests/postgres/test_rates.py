@@ -345,7 +345,7 @@ async def test_one_refusal_pauses_every_process_until_retry_after(
         async with anyio.create_task_group() as tg:
             for count in range(1, 4):
                 tg.start_soon(_enter, other, "default")
-                await eventually(lambda count=count: queued(limiter, count))  # type: ignore[misc]
+                await eventually(lambda count=count: queued(limiter, count))
         assert not held.released  # held slots are untouched
     history = await grants(tagged_dsn, schema)
     assert len(history) == 5
@@ -373,6 +373,7 @@ async def test_the_refused_requests_own_release_grants_nothing_during_the_pause(
         assert paused_until is not None
     history = await grants(tagged_dsn, schema)
     assert len(history) == 2
+    assert paused_until is not None
     assert history[1][1] >= paused_until
 
 
@@ -562,7 +563,7 @@ async def test_a_workload_queue_bound_holds_across_processes(make: Make, eventua
     async with anyio.create_task_group() as tg:
         for count in (1, 2):
             tg.start_soon(_enter, (limiter, other)[count % 2], "background")
-            await eventually(lambda count=count: queued(limiter, count))  # type: ignore[misc]
+            await eventually(lambda count=count: queued(limiter, count))
         with (
             anyio.fail_after(10),
             pytest.raises(ConcurrencyQueueFullError, match="workload 'background'"),
@@ -665,7 +666,7 @@ async def test_an_existing_installation_is_upgraded_in_place(
 async def test_four_processes_never_exceed_the_rate_over_any_window(
     dsn: str, tagged_dsn: str, schema: str
 ) -> None:
-    rate = {"requests": 10, "per": 1.0}
+    rate: dict[str, Any] = {"requests": 10, "per": 1.0}
     spec: dict[str, Any] = {
         "mode": "load",
         "dsn": tagged_dsn,

@@ -1139,7 +1139,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 },
                 prepare=False,
             )
-            if self._settings.workloads[workload].max_queued is not None:
+            rule = self._settings.rules.workloads.get(workload)
+            if rule is not None and rule.max_queued is not None:
                 counted = await conn.execute(
                     q.count_workload,
                     {"name": name, "workload": workload, "fresh": entry_id},
