@@ -1102,8 +1102,12 @@ class PostgresLimiter(BuiltinLimiter[W]):
         q = self._q
         name = self.name
         # In pipeline mode (see _run) everything up to the load's fetch is one round trip.
-        locked = await conn.execute(q.lock_limiter, [self._settings_json, name], prepare=False)
-        state = await conn.execute(q.state, {"name": name, "version": self._version}, prepare=False)
+        # The row as locked is its latest version: the rates and pushback state come with it.
+        locked = await conn.execute(
+            q.lock_state,
+            {"settings": self._settings_json, "name": name, "version": self._version},
+            prepare=False,
+        )
         refused = [p.lease_id for p in pending if isinstance(p, _Pushback) and p.lease_id]
         marked = None
         if refused:  # before the sweep, which deletes a lease being released
@@ -1157,9 +1161,10 @@ class PostgresLimiter(BuiltinLimiter[W]):
             },
             prepare=False,
         )
-        self._check_lock(await locked.fetchone())
-        state_row = await state.fetchone()
-        assert state_row is not None
+        locked_row = await locked.fetchone()
+        self._check_lock(locked_row)
+        assert locked_row is not None
+        state_row = locked_row[2:]
         epochs: dict[str, int] = {} if marked is None else dict(await marked.fetchall())
         swept_row = await swept.fetchone()
         assert swept_row is not None
@@ -1557,6 +1562,7 @@ class _Queries:
         "insert_limiter",
         "load",
         "lock_limiter",
+        "lock_state",
         "mark_throttled",
         "mark_waited",
         "renew",
@@ -1585,15 +1591,16 @@ class _Queries:
             "limits = NULL, limits_version = limits_version + 1 WHERE name = %s"
         )
         # The rates and pushback state, and the limits in force when they are not those
-        # this process last saw.
-        self.state = q(
-            """
-            SELECT buckets, extract(epoch FROM paused_until)::float8, backoffs, adaptive,
-                   limits_version,
-                   CASE WHEN limits_version <> %(version)s THEN limits END,
-                   extract(epoch FROM clock_timestamp())::float8
+        # this process last saw; with the row lock and the check of lock_limiter.
+        state = """
+            buckets, extract(epoch FROM paused_until)::float8, backoffs, adaptive,
+            limits_version, CASE WHEN limits_version <> %(version)s THEN limits END,
+            extract(epoch FROM clock_timestamp())::float8
             FROM {s}.limiters WHERE name = %(name)s
-            """
+        """
+        self.state = q("SELECT " + state)
+        self.lock_state = q(
+            "SELECT settings = %(settings)s::jsonb, settings, " + state + " FOR UPDATE"
         )
         self.save_state = q(
             """
