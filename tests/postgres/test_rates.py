@@ -6,7 +6,7 @@ Two limiter objects with the same name are two processes as far as the database 
 (each has its own owner id, caches and poller); the multi-process tests start real ones.
 Grant times are read from a trigger on the leases table (the database clock), never from
 this process's clock. PostgresLimiter is asyncio-only: these tests run on asyncio (see
-conftest).
+conftest), except one that checks the clear failure under trio.
 """
 
 from __future__ import annotations
@@ -598,6 +598,23 @@ async def test_the_providers_remaining_count_lowers_the_shared_bucket(make: Make
         slot.provider_remaining(requests=8)  # more than slotwise thinks: ignored
         await limiter.stats()
         assert (await other.stats()).buckets["requests"].level == pytest.approx(2, abs=0.1)
+
+
+# -- trio -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_under_trio_the_new_calls_fail_at_once_with_a_clear_error(dsn: str) -> None:
+    limiter: PostgresLimiter[Any] = PostgresLimiter(
+        dsn, max_concurrent=2, rate=Rate(requests=10), adaptive=Adaptive(min_concurrent=1)
+    )
+    with pytest.raises(ConcurrencyConfigError, match="asyncio only"):
+        await limiter.set_limits(max_concurrent=1)
+    with pytest.raises(ConcurrencyConfigError, match="asyncio only"):
+        await limiter.stats()
+    with pytest.raises(ConcurrencyConfigError, match="asyncio only"):
+        async with limiter.slot(tokens=5):
+            pytest.fail("the body must not run")
 
 
 # -- an existing installation -----------------------------------------------------------------
