@@ -47,7 +47,9 @@ async def polling_acquire(limiter: PostgresLimiter[Any], request: AcquireRequest
 
     entry_id = str(uuid.uuid4())
     cycle = await limiter._run(
-        partial(limiter._cycle, enqueue=(entry_id, request.workload, "r", 3600.0), asked=[entry_id])
+        partial(
+            limiter._cycle, enqueue=(entry_id, request.workload, "r", 3600.0, 0), asked=[entry_id]
+        )
     )
     beat = anyio.current_time()
     while entry_id not in cycle.granted:

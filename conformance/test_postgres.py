@@ -42,9 +42,8 @@ async def block_storage(limiter: PostgresLimiter[Any]) -> AsyncIterator[None]:
         yield
 
 
-# The capabilities a limiter declares (the others it has unless it skips them): none yet,
-# PostgresLimiter has no rates, pushback or per-workload queue bounds.
-SUPPORTS: frozenset[str] = frozenset()
+# The capabilities a limiter declares (the others it has unless it skips them).
+SUPPORTS: frozenset[str] = frozenset({"rates", "pushback", "workload_max_queued"})
 CASES = conformance_cases(create_limiter, supports=SUPPORTS, block_storage=block_storage)
 
 

@@ -2,11 +2,12 @@
 ``subscribe()``. Each public limiter class defines its own ``slot()``, so that a type checker
 names that class, not this base, in an error about a workload's name."""
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Generic, cast
 
 from ._config import Rate, Settings, Workload, resolve_workload
-from ._events import ConcurrencyEvent
+from ._events import ConcurrencyEvent, LimitChangedEvent
 from ._protocol import W
 from ._runtime import dispatch
 from ._stats import BucketStats, LimiterStats, WorkloadStats
@@ -99,3 +100,22 @@ class BuiltinLimiter(Generic[W]):
             paused_until=paused_until,
             buckets=buckets or {},
         )
+
+    def _limit_changed(self, old: int, new: int, reason: str) -> None:
+        """Emit `limit-changed`: the limit in force went from `old` to `new`."""
+        if dispatch._subscriptions and dispatch.wants(self):
+            dispatch.emit(
+                self,
+                LimitChangedEvent(
+                    timestamp=time.time(),
+                    limiter=self.name,
+                    workload=None,
+                    run_id=None,
+                    root_run_id=None,
+                    parent_run_id=None,
+                    request_id=None,
+                    old=old,
+                    new=new,
+                    reason=reason,
+                ),
+            )

@@ -71,11 +71,15 @@ class Lease:
         workload: The workload it counts against.
         expires_at: On the limiter's clock (``time.monotonic()`` for MemoryLimiter, or a
             trio ``MockClock`` in tests; the database clock for PostgresLimiter).
+        waited_for: What held the request back besides a free slot: rate buckets
+            (``"requests"``, ``"tokens"``, ``"<workload>.requests"``,
+            ``"<workload>.tokens"``) and ``"pause"``; the ``acquired`` event reports it.
     """
 
     lease_id: str
     workload: str
     expires_at: float
+    waited_for: tuple[str, ...] = ()
 
 
 @runtime_checkable

@@ -23,9 +23,7 @@ from ._config import (
 )
 from ._core.state import LeaseRecord, LimiterState, Tether, Ticket, holds
 from ._errors import ConcurrencyConfigError
-from ._events import LimitChangedEvent
 from ._protocol import AcquireRequest, Lease, SupportsLease, W
-from ._runtime import dispatch
 from ._runtime.lifecycle import SlotContext, SyncSlotContext, sync_slot, tethering
 from ._runtime.loop import Loop, ThreadWaker, Waker, require
 from ._stats import BucketStats, LimiterStats
@@ -593,24 +591,6 @@ class MemoryLimiter(BuiltinLimiter[W]):
         """A time on the state's clock, in seconds since the epoch."""
         return time.time() + (moment - now)
 
-    def _limit_changed(self, old: int, new: int, reason: str) -> None:
-        if dispatch._subscriptions and dispatch.wants(self):
-            dispatch.emit(
-                self,
-                LimitChangedEvent(
-                    timestamp=time.time(),
-                    limiter=self.name,
-                    workload=None,
-                    run_id=None,
-                    root_run_id=None,
-                    parent_run_id=None,
-                    request_id=None,
-                    old=old,
-                    new=new,
-                    reason=reason,
-                ),
-            )
-
     def __repr__(self) -> str:
         state = self._state
         rules = self._settings.rules
@@ -692,7 +672,12 @@ class _Watchers:
 
 
 def _lease(record: LeaseRecord) -> Lease:
-    return Lease(lease_id=record.lease_id, workload=record.workload, expires_at=record.expires_at)
+    return Lease(
+        lease_id=record.lease_id,
+        workload=record.workload,
+        expires_at=record.expires_at,
+        waited_for=record.waited_for,
+    )
 
 
 def _wake(wakers: list[Waker]) -> None:

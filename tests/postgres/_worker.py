@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 
 import slotwise
-from slotwise import Workload
+from slotwise import Rate, Workload
 from slotwise.postgres import PostgresLimiter
 
 
@@ -37,6 +37,7 @@ def make_limiter(spec: dict[str, Any]) -> PostgresLimiter[str]:
         poll_interval=spec.get("poll_interval", 0.1),
         workloads=workloads,
         default_workload=spec.get("default_workload"),
+        rate=Rate(**spec["rate"]) if spec.get("rate") else None,
         listen=spec.get("listen", True),
         synchronous_commit=spec.get("synchronous_commit", True),
     )

@@ -15,8 +15,8 @@ import itertools
 import math
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol, TypeVar
 
 import attrs
 
@@ -25,7 +25,19 @@ from .adaptive import Aimd, backoff_delay
 from .rates import Bank, Cost
 from .rules import Rules, WorkloadRule, allocate, has_room
 
-__all__ = ("LeaseRecord", "LimiterState", "Ticket")
+__all__ = (
+    "LeaseRecord",
+    "LimiterState",
+    "Ticket",
+    "allocate_paced",
+    "carry_over",
+    "check_cost",
+    "pause",
+    "readapt",
+    "retire",
+)
+
+E = TypeVar("E")
 
 
 class Holder(Protocol):
@@ -174,13 +186,7 @@ class LimiterState:
         """
         cost = _NO_COST if not tokens else {"requests": 1, "tokens": tokens}
         if self.bank:
-            oversized = self.bank.oversized(workload, cost)
-            if oversized is not None:
-                key, units, rule = oversized
-                raise ConcurrencyConfigError(
-                    f"a request of {units} {rule.kind} can never be granted: bucket {key!r} "
-                    f"holds at most {rule.capacity} {rule.kind} per {rule.per:g}s"
-                )
+            check_cost(self.bank, workload, cost)
         swept = self.tick(now)
         ticket = Ticket(
             seq=next(self._seq), workload=workload, enqueued_at=now, tether=tether, cost=cost
@@ -361,10 +367,9 @@ class LimiterState:
         """The provider refused a request (the lease ``lease_id``, if still held): grant
         nothing before ``now + retry_after`` (or a doubling backoff when it gave none), and
         lower an adaptive limit. Held slots are untouched; waiters keep their places."""
-        if retry_after is None:
-            retry_after = backoff_delay(self._backoffs, jitter)
-            self._backoffs += 1
-        self.paused_until = max(self.paused_until, now + max(0.0, retry_after))
+        self.paused_until, self._backoffs = pause(
+            self.paused_until, self._backoffs, retry_after, now, jitter
+        )
         record = self.leases.get(lease_id) if lease_id is not None else None
         change = None
         if record is not None:
@@ -401,42 +406,18 @@ class LimiterState:
         for name in list(self.queues):
             if name not in rules.workloads:
                 refused += self.queues.pop(name).values()
-        retired = {
-            name: WorkloadRule(ceiling=0, reserved=0, priority=0)
-            for name, held in self.active.items()
-            if held and name not in rules.workloads
-        }
-        if retired:
-            rules = attrs.evolve(rules, workloads={**rules.workloads, **retired})
+        rules = retire(rules, self.active)
         for name in rules.workloads:
             self.queues.setdefault(name, OrderedDict())
         self.queued -= len(refused)
         self.active = {name: self.active.get(name, 0) for name in rules.workloads}
-        if adaptive is None:
-            self.aimd = None
-        else:
-            floor, backoff = adaptive
-            limit = rules.max_concurrent
-            if self.aimd is not None:  # keep what pushback taught, within the new bounds
-                limit = min(max(self.aimd.limit, floor), rules.max_concurrent)
-            epoch = 0 if self.aimd is None else self.aimd.epoch
-            self.aimd = Aimd(
-                floor=floor, ceiling=rules.max_concurrent, backoff=backoff, limit=limit, epoch=epoch
-            )
-            rules = attrs.evolve(rules, max_concurrent=limit)
+        self.aimd, rules = readapt(self.aimd, rules, adaptive)
         self.rules = rules
         self.max_queued = max_queued
         self.shared_used = sum(
             max(0, held - rules.workloads[name].reserved) for name, held in self.active.items()
         )
-        old = self.bank.buckets
-        self.bank = Bank(rules.buckets, -math.inf)
-        for key, bucket in self.bank.buckets.items():
-            previous = old.get(key)
-            if previous is not None:  # keep what was spent, within the new capacity
-                previous.refill(now)
-                bucket.level = min(previous.level, float(bucket.rule.capacity))
-                bucket.updated = now
+        self.bank = carry_over(self.bank, rules, now)
         return self._allocate(now), refused
 
     def rebase(self, now: float) -> None:
@@ -465,9 +446,9 @@ class LimiterState:
     def next_wake(self, now: float) -> float | None:
         """When time alone can next change what is granted: the earliest lease expiry, the
         refill a blocked head waits for, the end of a pause. None: never."""
-        wake = min(self.next_expiry() or math.inf, self._refill_at)
-        if self.paused_until > now:
-            wake = min(wake, self.paused_until)
+        wake = min(
+            self.next_expiry() or math.inf, paced_wake(self._refill_at, self.paused_until, now)
+        )
         return None if wake == math.inf else wake
 
     def next_expiry(self) -> float | None:
@@ -523,37 +504,28 @@ class LimiterState:
     def _allocate(self, now: float) -> list[Ticket]:
         if not self.queued:
             return []
-        self._refill_at = math.inf
-        if now < self.paused_until:
-            return []
         queues = {w: q.values() for w, q in self.queues.items()}
-        if self.bank:
-            self.bank.refill(now)
-            granted = allocate(
+        if self.bank or self.paused_until != _NEVER:
+            granted, self._refill_at = allocate_paced(
                 self.rules,
                 self.active,
                 queues,
                 _arrival,
+                now=now,
                 bank=self.bank,
+                paused_until=self.paused_until,
                 cost=_cost,
-                blocked=lambda ticket, keys, wait: self._blocked(ticket, keys, wait, now),
+                enqueued_at=_enqueued_at,
+                waited=_waited,
             )
         else:
+            self._refill_at = math.inf
             granted = allocate(self.rules, self.active, queues, _arrival)
         for ticket in granted:
             del self.queues[ticket.workload][ticket.seq]
             self.queued -= 1
-            if ticket.enqueued_at < self.paused_until:
-                _waited(ticket, ["pause"])
             self._grant(ticket, now)
         return granted
-
-    def _blocked(self, ticket: Ticket, keys: list[str], wait: float, now: float) -> None:
-        _waited(ticket, keys)
-        # Strictly later than now, even when rounding makes `now + wait` equal it: a waiter
-        # woken at `now` again would spin without the clock moving (a virtual clock never
-        # moves while a task runs).
-        self._refill_at = min(self._refill_at, max(now + wait, math.nextafter(now, math.inf)))
 
 
 def _waited(ticket: Ticket, reasons: list[str]) -> None:
@@ -561,3 +533,130 @@ def _waited(ticket: Ticket, reasons: list[str]) -> None:
         ticket.rate_waits = set(reasons)
     else:
         ticket.rate_waits.update(reasons)
+
+
+def _enqueued_at(ticket: Ticket) -> float:
+    return ticket.enqueued_at
+
+
+# -- the time-dependent rules, shared with backends that keep their state elsewhere ---------
+
+
+def check_cost(bank: Bank, workload: str, cost: Cost) -> None:
+    """Raise `ConcurrencyConfigError` when a request of ``workload`` costing ``cost`` can
+    never be granted: one of its buckets can never hold that much."""
+    oversized = bank.oversized(workload, cost)
+    if oversized is not None:
+        key, units, rule = oversized
+        raise ConcurrencyConfigError(
+            f"a request of {units} {rule.kind} can never be granted: bucket {key!r} "
+            f"holds at most {rule.capacity} {rule.kind} per {rule.per:g}s"
+        )
+
+
+def pause(
+    paused_until: float, backoffs: int, retry_after: float | None, now: float, jitter: float
+) -> tuple[float, int]:
+    """A provider's refusal at ``now``: the new end of the pause, and the number of pauses
+    without a retry-after since the last success (the next backoff's step).
+
+    ``retry_after`` None means a doubling backoff (`backoff_delay`); a pause already in
+    force that ends later stays."""
+    if retry_after is None:
+        retry_after = backoff_delay(backoffs, jitter)
+        backoffs += 1
+    return max(paused_until, now + max(0.0, retry_after)), backoffs
+
+
+def retire(rules: Rules, active: Mapping[str, int]) -> Rules:
+    """``rules`` plus, for each workload that is gone but still holds slots, a workload that
+    can take nothing more: its held slots keep counting until released or expired."""
+    retired = {
+        name: WorkloadRule(ceiling=0, reserved=0, priority=0)
+        for name, held in active.items()
+        if held and name not in rules.workloads
+    }
+    if not retired:
+        return rules
+    return attrs.evolve(rules, workloads={**rules.workloads, **retired})
+
+
+def readapt(
+    aimd: Aimd | None, rules: Rules, adaptive: tuple[int, float] | None
+) -> tuple[Aimd | None, Rules]:
+    """The adaptive limit under new ``rules`` (``adaptive``: its floor and backoff, or None
+    for none), and the rules with the limit in force as their ``max_concurrent``. What
+    pushback taught is kept, within the new bounds."""
+    if adaptive is None:
+        return None, rules
+    floor, backoff = adaptive
+    limit = rules.max_concurrent
+    if aimd is not None:
+        limit = min(max(aimd.limit, floor), rules.max_concurrent)
+    epoch = 0 if aimd is None else aimd.epoch
+    aimd = Aimd(
+        floor=floor, ceiling=rules.max_concurrent, backoff=backoff, limit=limit, epoch=epoch
+    )
+    return aimd, attrs.evolve(rules, max_concurrent=limit)
+
+
+def carry_over(old: Bank, rules: Rules, now: float) -> Bank:
+    """The buckets of ``rules``, full, except those already in ``old``: they keep what was
+    spent by ``now`` (within their new capacity)."""
+    bank = Bank(rules.buckets, -math.inf)
+    for key, bucket in bank.buckets.items():
+        previous = old.buckets.get(key)
+        if previous is not None:
+            previous.refill(now)
+            bucket.level = min(previous.level, float(bucket.rule.capacity))
+            bucket.updated = now
+    return bank
+
+
+def paced_wake(refill_at: float, paused_until: float, now: float) -> float:
+    """When time alone can next grant something: the refill a blocked head waits for, or
+    the end of a pause in force (``inf``: never)."""
+    return min(refill_at, paused_until) if paused_until > now else refill_at
+
+
+def allocate_paced(
+    rules: Rules,
+    active: Mapping[str, int],
+    queues: Mapping[str, Iterable[E]],
+    order: Callable[[E], Any],
+    *,
+    now: float,
+    bank: Bank,
+    paused_until: float,
+    cost: Callable[[E], Cost],
+    enqueued_at: Callable[[E], float],
+    waited: Callable[[E, list[str]], object],
+) -> tuple[list[E], float]:
+    """`allocate` with the rate buckets and the pause: nothing while paused; otherwise the
+    buckets are refilled to ``now`` and the grants' costs taken from them.
+
+    ``waited`` is told what held a request back: the bucket keys of a head that must wait
+    for them, and ``"pause"`` for a request granted that arrived before the pause ended.
+    Returns the grants and when a head blocked by buckets can have them (``inf``: none is).
+    """
+    if now < paused_until:
+        return [], math.inf
+    refill_at = math.inf
+    if bank:
+        bank.refill(now)
+
+        def blocked(item: E, keys: list[str], wait: float) -> None:
+            nonlocal refill_at
+            waited(item, keys)
+            # Strictly later than now, even when rounding makes `now + wait` equal it: a
+            # waiter woken at `now` again would spin without the clock moving (a virtual
+            # clock never moves while a task runs).
+            refill_at = min(refill_at, max(now + wait, math.nextafter(now, math.inf)))
+
+        granted = allocate(rules, active, queues, order, bank=bank, cost=cost, blocked=blocked)
+    else:
+        granted = allocate(rules, active, queues, order)
+    for item in granted:
+        if enqueued_at(item) < paused_until:
+            waited(item, ["pause"])
+    return granted, refill_at

@@ -7,8 +7,10 @@ import inspect
 import json
 import logging
 import math
+import random
+import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any, Literal, TypeVar, final, overload
@@ -23,6 +25,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from .._base import BuiltinLimiter
 from .._config import (
+    Adaptive,
+    Rate,
     Settings,
     Workload,
     build_settings,
@@ -30,7 +34,18 @@ from .._config import (
     seconds,
     wait_timeout,
 )
-from .._core.rules import allocate
+from .._core.adaptive import Aimd
+from .._core.rates import Bank
+from .._core.rules import Rules
+from .._core.state import (
+    allocate_paced,
+    carry_over,
+    check_cost,
+    paced_wake,
+    pause,
+    readapt,
+    retire,
+)
 from .._errors import (
     ConcurrencyConfigError,
     ConcurrencyLimiterError,
@@ -38,8 +53,9 @@ from .._errors import (
 )
 from .._protocol import AcquireRequest, Lease, SupportsLease, W
 from .._runtime.lifecycle import SlotContext
-from .._stats import LimiterStats
-from ._schema import channel_name, schema_ddl
+from .._stats import BucketStats, LimiterStats
+from ..memory import UNCHANGED, Unchanged
+from ._schema import NEWEST_COLUMN, channel_name, schema_ddl
 
 __all__ = ("PostgresLimiter",)
 
@@ -57,6 +73,20 @@ class _Entry:
     workload: str
     key: tuple[int, int]  # (enqueued_at in microseconds, seq): who has waited longest
     owner: str  # the process (limiter object) that waits for it
+    tokens: int = 0  # its token estimate
+    waited_for: tuple[str, ...] = ()  # the buckets it has had to wait for so far
+
+
+def _key(entry: _Entry) -> tuple[int, int]:
+    return entry.key
+
+
+def _cost(entry: _Entry) -> Mapping[str, int]:
+    return {"requests": 1, "tokens": entry.tokens} if entry.tokens else {"requests": 1}
+
+
+def _enqueued_at(entry: _Entry) -> float:
+    return entry.key[0] / 1e6
 
 
 @attrs.frozen(kw_only=True)
@@ -66,15 +96,120 @@ class _Cycle:
     granted: dict[str, Lease]  # this process's entries that hold a lease now
     present: frozenset[str]  # this process's asked-about entries still queued
     queued: int  # live entries, ours included
-    full: bool  # the request enqueued by this cycle was refused: max_queued
+    full: str | None  # why the request enqueued by this cycle was refused (max_queued)
+    settings: tuple[Settings, int] | None = None  # the limits in force, when they changed
+    changes: tuple[tuple[int, int, str], ...] = ()  # (old, new, reason) of the limit in force
+    wake: float | None = None  # seconds until time alone can grant something
+    paused_until: float = -math.inf  # database clock, seconds since the epoch
+    backoffs: int = 0
+
+
+# What a process learns from the provider between two of its transactions (the sync calls
+# of a held slot), stored by the next one.
+@attrs.frozen(kw_only=True)
+class _Pushback:
+    lease_id: str | None
+    retry_after: float | None
+    jitter: float
+
+
+@attrs.frozen(kw_only=True)
+class _Charge:
+    workload: str
+    units: int
+
+
+@attrs.frozen(kw_only=True)
+class _Observed:
+    kind: str
+    remaining: int
+
+
+_Pending = _Pushback | _Charge | _Observed
+
+
+@attrs.define(kw_only=True, eq=False)
+class _Pace:
+    """The rates and pushback state stored with a limiter's row, loaded for one
+    transaction: the values that MemoryLimiter keeps in memory, changed by the same rules
+    (slotwise._core.state), on the database clock."""
+
+    bank: Bank
+    paused_until: float
+    backoffs: int
+    aimd: Aimd | None
+    dirty: bool = False  # changed: to be stored
+
+    @classmethod
+    def load(
+        cls,
+        settings: Settings,
+        buckets: Mapping[str, Any] | None,
+        paused_until: float | None,
+        backoffs: int | None,
+        adaptive: Mapping[str, Any] | None,
+    ) -> _Pace:
+        # Buckets not stored yet are full, as if they had been refilling forever.
+        bank = Bank(settings.rules.buckets, -math.inf)
+        for key, (level, updated) in (buckets or {}).items():
+            bucket = bank.buckets.get(key)
+            if bucket is not None:
+                bucket.level = min(float(level), float(bucket.rule.capacity))
+                bucket.updated = float(updated)
+        aimd = None
+        if settings.adaptive is not None:
+            floor, ceiling = settings.adaptive.min_concurrent, settings.max_concurrent
+            stored = adaptive or {}
+            aimd = Aimd(
+                floor=floor,
+                ceiling=ceiling,
+                backoff=settings.adaptive.backoff,
+                limit=min(max(int(stored.get("limit", ceiling)), floor), ceiling),
+                epoch=int(stored.get("epoch", 0)),
+                credit=float(stored.get("credit", 0.0)),
+            )
+        return cls(
+            bank=bank,
+            paused_until=-math.inf if paused_until is None else float(paused_until),
+            backoffs=int(backoffs or 0),
+            aimd=aimd,
+        )
+
+    def limit(self, settings: Settings) -> int:
+        """The limit in force."""
+        return settings.max_concurrent if self.aimd is None else self.aimd.limit
+
+    def rules(self, settings: Settings) -> Rules:
+        if self.aimd is None:
+            return settings.rules
+        return attrs.evolve(settings.rules, max_concurrent=self.aimd.limit)
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "buckets": json.dumps(
+                {
+                    key: [bucket.level, bucket.updated]
+                    for key, bucket in self.bank.buckets.items()
+                    if math.isfinite(bucket.updated)
+                }
+            ),
+            "paused_until": None if self.paused_until == -math.inf else self.paused_until,
+            "backoffs": self.backoffs,
+            "adaptive": None
+            if self.aimd is None
+            else json.dumps(
+                {"limit": self.aimd.limit, "epoch": self.aimd.epoch, "credit": self.aimd.credit}
+            ),
+        }
 
 
 @final
 class _Waiter:
-    __slots__ = ("entry_id", "error", "event", "lease", "queued")
+    __slots__ = ("entry_id", "error", "event", "lease", "queued", "workload")
 
-    def __init__(self, entry_id: str) -> None:
+    def __init__(self, entry_id: str, workload: str) -> None:
         self.entry_id = entry_id
+        self.workload = workload
         self.queued = False  # its queue entry is committed
         self.event = anyio.Event()
         self.lease: Lease | None = None
@@ -105,6 +240,11 @@ class PostgresLimiter(BuiltinLimiter[W]):
             return after this long.
         workloads: Named workloads sharing the capacity; default: one named ``"default"``.
         default_workload: The workload of requests that name none.
+        rate: The provider's requests and tokens per period (`slotwise.Rate`), one set of
+            buckets for every process: their levels are stored with the limiter and refilled
+            on the database clock.
+        adaptive: An effective limit that follows the provider's pushback
+            (`slotwise.Adaptive`), stored with the limiter: every process grants under it.
         poll_interval: Seconds between the allocation checks of a process that has waiting
             requests (notifications make most grants faster than this).
         queue_entry_ttl: Seconds after which a dead process's queue entries are dropped.
@@ -137,13 +277,20 @@ class PostgresLimiter(BuiltinLimiter[W]):
     """
 
     __slots__ = (
+        "_applying",
+        "_backoffs",
+        "_base",
         "_beat_at",
         "_channel",
+        "_flush_kick",
+        "_flusher",
         "_kick",
         "_listen",
         "_listener",
         "_owner",
         "_owns_pool",
+        "_paused_until",
+        "_pending",
         "_poller",
         "_pool",
         "_q",
@@ -151,7 +298,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
         "_settings_json",
         "_start_lock",
         "_started",
+        "_version",
         "_waiters",
+        "_wake_at",
         "ensure_schema",
         "on_conflict",
         "poll_interval",
@@ -170,6 +319,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
         lease_ttl: float = ...,
         workloads: None = ...,
         default_workload: str | None = ...,
+        rate: Rate | None = ...,
+        adaptive: Adaptive | None = ...,
         poll_interval: float = ...,
         queue_entry_ttl: float = ...,
         schema: str = ...,
@@ -190,6 +341,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
         lease_ttl: float = ...,
         workloads: Mapping[W, Workload],
         default_workload: W | None = ...,
+        rate: Rate | None = ...,
+        adaptive: Adaptive | None = ...,
         poll_interval: float = ...,
         queue_entry_ttl: float = ...,
         schema: str = ...,
@@ -209,6 +362,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
         lease_ttl: float = 30.0,
         workloads: Mapping[W, Workload] | None = None,
         default_workload: str | None = None,
+        rate: Rate | None = None,
+        adaptive: Adaptive | None = None,
         poll_interval: float = 0.1,
         queue_entry_ttl: float = 15.0,
         schema: str = "slotwise",
@@ -224,6 +379,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
             lease_ttl=lease_ttl,
             workloads=workloads,
             default_workload=default_workload,
+            rate=rate,
+            adaptive=adaptive,
         )
         seconds("poll_interval", poll_interval, finite=True)
         seconds("queue_entry_ttl", queue_entry_ttl, finite=True)
@@ -262,6 +419,21 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._listener: asyncio.Task[None] | None = None
         self._kick: anyio.Event | None = None
         self._beat_at = -math.inf
+        # The limits given here; those in force may have been changed by set_limits(), in
+        # this process or another: limits_version in the limiter's row says which.
+        self._base = self._settings
+        self._version = 0
+        # Pushback, token corrections and the provider's remaining counts, learned by sync
+        # calls of held slots and stored by this process's next transaction.
+        self._pending: list[_Pending] = []
+        self._applying: anyio.Event | None = None  # set when that transaction ended
+        self._flusher: asyncio.Task[None] | None = None
+        self._flush_kick: anyio.Event | None = None
+        # When time alone (a refill, the end of a pause) can grant something (anyio clock).
+        self._wake_at = math.inf
+        # The pause and backoff count last seen (database clock), for throttle()'s answer.
+        self._paused_until = -math.inf
+        self._backoffs = 0
 
     # -- settings -------------------------------------------------------------------------
 
@@ -310,8 +482,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
                     self._pool = _own_pool(self._pool.conninfo)  # type: ignore[arg-type]
                 await self._pool.open()
             try:
-                if self.ensure_schema:
-                    await self._run(self._create_schema)
+                await self._run(self._create_schema if self.ensure_schema else self._check_schema)
                 await self._run(self._register)
             except BaseException:
                 if self._owns_pool:  # a limiter that failed to start holds no connections
@@ -322,14 +493,14 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     async def aclose(self) -> None:
         """Stop the poller and the listener, and close the pool if the limiter made it."""
-        for task in (self._poller, self._listener):
+        for task in (self._poller, self._listener, self._flusher):
             if task is not None:
                 task.cancel()
-        for task in (self._poller, self._listener):
+        for task in (self._poller, self._listener, self._flusher):
             if task is not None:
                 with anyio.CancelScope(shield=True):
                     await asyncio.gather(task, return_exceptions=True)
-        self._poller = self._listener = None
+        self._poller = self._listener = self._flusher = None
         for waiter in self._waiters.values():
             waiter.error = ConcurrencyLimiterError("the limiter was closed")
             waiter.event.set()
@@ -345,14 +516,124 @@ class PostgresLimiter(BuiltinLimiter[W]):
         return SlotContext(workload, self, allow_nested, tokens)
 
     async def stats(self) -> LimiterStats:
-        """Active and queued requests across every process, in total and per workload."""
+        """Active and queued requests across every process, in total and per workload, and
+        the rate buckets, the pause and the limit in force, which every process shares."""
         await self.start()
-        rows = await self._run(self._stats_rows)
+        if self._pending or self._applying is not None:
+            # What this process learned from the provider counts already.
+            cycle = await self._run_cycle()
+            self._deliver(cycle.granted)
+        rows, state = await self._run(self._stats_rows)
         active: dict[str, int] = {}
         queued: dict[str, int] = {}
         for kind, workload, count in rows:
             (active if kind == "active" else queued)[workload] = count
-        return self._stats(active, queued)
+        buckets, paused, backoffs, adaptive, version, limits, now = state
+        if version != self._version:
+            self._adopt(self._settings_from(limits), version)
+        settings = self._settings
+        pace = _Pace.load(settings, buckets, paused, backoffs, adaptive)
+        pace.bank.refill(now)
+        return self._stats(
+            active,
+            queued,
+            effective=pace.limit(settings),
+            paused_until=pace.paused_until if pace.paused_until > now else None,
+            buckets={
+                key: BucketStats(level=b.level, capacity=b.rule.capacity, per=b.rule.per)
+                for key, b in pace.bank.buckets.items()
+            },
+        )
+
+    async def set_limits(
+        self,
+        *,
+        max_concurrent: int | None = None,
+        max_queued: int | Unchanged | None = UNCHANGED,
+        workloads: Mapping[W, Workload] | None = None,
+        default_workload: str | Unchanged | None = UNCHANGED,
+        rate: Rate | Unchanged | None = UNCHANGED,
+        adaptive: Adaptive | Unchanged | None = UNCHANGED,
+    ) -> None:
+        """Change the limits of every process using this name, validated as the
+        constructor validates them; what is not given stays as it is in force.
+
+        The new limits are stored with the limiter in one transaction, which applies them
+        to the requests waiting now; every other process grants under them from its next
+        allocation. Held slots are never revoked: with a smaller limit, new grants wait
+        until fewer are active. Requests waiting for a workload that is gone fail with
+        `ConcurrencyConfigError`, in every process; slots held in it count until they are
+        released. `default_workload` is this process's own. Emits `limit-changed` when the
+        limit in force changes. A worker started later with the limits it was deployed
+        with takes these (a worker deployed with other limits still fails, see
+        `on_conflict`; `on_conflict="replace"` stores its limits over these).
+
+        Raises:
+            ConcurrencyConfigError: a setting is invalid; nothing changed.
+        """
+        await self.start()
+
+        def change(current: Settings) -> Settings:
+            return build_settings(
+                name=current.name,
+                max_concurrent=current.max_concurrent if max_concurrent is None else max_concurrent,
+                max_queued=current.max_queued if isinstance(max_queued, Unchanged) else max_queued,
+                lease_ttl=current.lease_ttl,
+                workloads=current.workloads if workloads is None else workloads,
+                default_workload=current.default_workload
+                if isinstance(default_workload, Unchanged)
+                else default_workload,
+                rate=current.rate if isinstance(rate, Unchanged) else rate,
+                adaptive=current.adaptive if isinstance(adaptive, Unchanged) else adaptive,
+            )
+
+        change(self._settings)  # invalid settings fail before anything is stored
+        cycle = await self._run_cycle(change=change)
+        self._deliver(cycle.granted)
+
+    def throttle(
+        self, lease: SupportsLease | None, retry_after: float | None = None
+    ) -> tuple[float, tuple[int, int] | None]:
+        """The provider refused a request (429, 529, 503): pause new grants of every
+        process until `retry_after` seconds from now (a doubling, jittered backoff from
+        one second when None, counted across processes), and lower an adaptive limit.
+        Held slots are untouched; waiting requests keep their places, and their
+        `max_wait` and budgets keep running.
+
+        Most code calls `Slot.throttled()` (or lets `slotwise.httpx` do it). The pause is
+        stored by this process's next transaction: at once in a task of its own, or by the
+        release of the refused request's slot if that comes first, so the slot it frees is
+        never granted during the pause. An adaptive limit's change is reported by that
+        transaction's `limit-changed` event.
+
+        Returns:
+            When the pause ends as this process sees it (seconds since the epoch; the one
+            stored is computed on the database clock), and None: the limit's change is not
+            known until the pause is stored.
+        """
+        jitter = random.uniform(0.75, 1.25)
+        lease_id = None if lease is None or not _is_uuid(lease.lease_id) else lease.lease_id
+        self._push(_Pushback(lease_id=lease_id, retry_after=retry_after, jitter=jitter), True)
+        self._paused_until, self._backoffs = pause(
+            self._paused_until, self._backoffs, retry_after, time.time(), jitter
+        )
+        return self._paused_until, None
+
+    def observe_remaining(self, lease: SupportsLease, kind: str, remaining: int) -> None:
+        """The provider says `remaining` requests or tokens (`kind`) are left of its
+        limit: the limiter's bucket of that kind, shared by every process, holds no more
+        than that (it is lowered, never raised). Stored by this process's next transaction,
+        within `poll_interval`. `Slot.provider_remaining()` calls it."""
+        if kind in self._settings.rules.buckets:
+            self._push(_Observed(kind=kind, remaining=remaining), False)
+
+    def charge_tokens(self, lease: SupportsLease, tokens: int) -> None:
+        """Charge `tokens` more to the token buckets of `lease`'s workload and of the limiter
+        (a refund when negative): `Slot.used_tokens()` corrects an estimate with it. Stored
+        by this process's next transaction (the slot's release, or within
+        `poll_interval`)."""
+        if any(rule.kind == "tokens" for rule in self._settings.rules.buckets.values()):
+            self._push(_Charge(workload=lease.workload, units=tokens), False)
 
     # -- the Limiter protocol -------------------------------------------------------------
 
@@ -361,31 +642,37 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
         Raises:
             ConcurrencyTimeoutError: no slot before the deadline or ``max_wait``.
-            ConcurrencyQueueFullError: ``max_queued`` requests were already waiting.
-            ConcurrencyConfigError: unknown workload, limits changed, or not asyncio.
+            ConcurrencyQueueFullError: ``max_queued`` requests were already waiting (the
+                limiter's, or its workload's).
+            ConcurrencyConfigError: unknown workload, limits changed, not asyncio, or a
+                token estimate that one of its rate buckets can never hold.
             psycopg.Error: the database failed (the runtime reports it as
                 ``ConcurrencyLimiterError``).
         """
         await checkpoint_if_cancelled()
         workload = resolve_workload(self._settings, request.workload)
         await self.start()
+        tokens = request.tokens
+        if tokens and self._settings.rules.buckets:
+            check_cost(
+                Bank(self._settings.rules.buckets, 0.0),
+                workload,
+                {"requests": 1, "tokens": tokens},
+            )
         started = anyio.current_time()
         wait = math.inf if request.deadline is None else request.deadline - started
         max_wait = self._settings.workloads[workload].max_wait
         if max_wait is not None:
             wait = min(wait, max_wait)
         wait = max(wait, 0.0)
-        waiter = _Waiter(str(uuid.uuid4()))
+        waiter = _Waiter(str(uuid.uuid4()), workload)
         self._waiters[waiter.entry_id] = waiter
         queued = True  # the entry may exist in the database: clean up on the way out
         try:
             with anyio.CancelScope(shield=True):
-                cycle = await self._run(
-                    partial(
-                        self._cycle,
-                        enqueue=(waiter.entry_id, workload, request.request_id, wait),
-                        asked=[waiter.entry_id],
-                    ),
+                cycle = await self._run_cycle(
+                    enqueue=(waiter.entry_id, workload, request.request_id, wait, tokens),
+                    asked=[waiter.entry_id],
                     retry=False,
                 )
             waiter.queued = True
@@ -393,12 +680,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
             if waiter.lease is not None:
                 await checkpoint_if_cancelled()
                 return waiter.lease
-            if cycle.full:
+            if cycle.full is not None:
                 queued = False
-                raise ConcurrencyQueueFullError(
-                    f"{cycle.queued} requests are already waiting "
-                    f"(max_queued={self._settings.max_queued})"
-                )
+                raise ConcurrencyQueueFullError(cycle.full)
             if wait > 0:
                 self._ensure_poller()
                 with anyio.move_on_after(wait):
@@ -462,7 +746,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         """Give a slot back and grant what it frees to the waiters. Idempotent."""
         await self.start()
         if _is_uuid(lease.lease_id):
-            cycle = await self._run(partial(self._cycle, release=lease.lease_id))
+            cycle = await self._run_cycle(release=lease.lease_id)
             self._deliver(cycle.granted)
 
     # -- the poller: one per limiter per process ------------------------------------------
@@ -475,19 +759,21 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     async def _poll_loop(self) -> None:
         # Full allocation cycles every poll_interval (they also sweep dead processes'
-        # leases and entries, and refresh this process's entries); in between, a
-        # notification that another process granted us a slot triggers a lock-free read.
+        # leases and entries, and refresh this process's entries), and when time alone can
+        # grant something (a bucket refills, a pause ends: each cycle computes when); in
+        # between, a notification that another process granted us a slot triggers a
+        # lock-free read.
         interval = min(self.poll_interval, self._queue_entry_ttl / 3)
         next_cycle = anyio.current_time() + interval
         self._kick = anyio.Event()
         while self._waiters:
-            with anyio.move_on_after(max(next_cycle - anyio.current_time(), 0)):
+            with anyio.move_on_after(max(min(next_cycle, self._wake_at) - anyio.current_time(), 0)):
                 await self._kick.wait()
             # A notification that arrives from now on is seen by the next round.
             self._kick = anyio.Event()
             asked = list(self._waiters)
             try:
-                if anyio.current_time() >= next_cycle:
+                if anyio.current_time() >= min(next_cycle, self._wake_at):
                     next_cycle = anyio.current_time() + interval
                     await self._poll_cycle(asked)
                 else:
@@ -507,7 +793,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         # Entries committed before this cycle began are in its snapshot: if one is neither
         # queued nor granted there, it was dropped. (A newer one may simply not be visible.)
         committed = [entry_id for entry_id in asked if self._waiters[entry_id].queued]
-        cycle = await self._run(partial(self._cycle, asked=asked, heartbeat=beat))
+        cycle = await self._run_cycle(asked=asked, heartbeat=beat)
         if beat:
             self._beat_at = anyio.current_time()
         self._deliver(cycle.granted, cycle.present, committed)
@@ -578,8 +864,13 @@ class PostgresLimiter(BuiltinLimiter[W]):
         if isinstance(grants, list):
             self._deliver(
                 {
-                    entry_id: Lease(lease_id=lease_id, workload=workload, expires_at=expires)
-                    for owner, entry_id, lease_id, workload, expires in grants
+                    entry_id: Lease(
+                        lease_id=lease_id,
+                        workload=workload,
+                        expires_at=expires,
+                        waited_for=tuple(waited[0]) if waited and waited[0] else (),
+                    )
+                    for owner, entry_id, lease_id, workload, expires, *waited in grants
                     if owner == self._owner
                 }
             )
@@ -587,6 +878,117 @@ class PostgresLimiter(BuiltinLimiter[W]):
         owners = message.get("k") if isinstance(message, dict) else None
         if (owners == "*" or self._owner in (owners or ())) and self._kick is not None:
             self._kick.set()
+
+    # -- what held slots learn from the provider -------------------------------------------
+
+    def _push(self, item: _Pending, urgent: bool) -> None:
+        """Keep ``item`` for this process's next transaction, and make sure one comes: at
+        once when ``urgent`` (a pause), else within ``poll_interval`` (the slot's release
+        usually comes first and stores it)."""
+        self._pending.append(item)
+        if self._flusher is None or self._flusher.done():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop: the next allocation stores it
+                return
+            self._flusher = loop.create_task(self._flush())
+        elif urgent and self._flush_kick is not None:
+            self._flush_kick.set()
+
+    async def _flush(self) -> None:
+        while self._pending:
+            if not any(isinstance(item, _Pushback) for item in self._pending):
+                self._flush_kick = anyio.Event()
+                with anyio.move_on_after(self.poll_interval):
+                    await self._flush_kick.wait()
+                self._flush_kick = None
+                if not self._pending:
+                    return
+            try:
+                cycle = await self._run_cycle()
+            except Exception:
+                # Kept: the next allocation of this process stores them.
+                _logger.warning(
+                    "slotwise: could not store the provider's pushback for limiter %r",
+                    self.name,
+                    exc_info=True,
+                )
+                return
+            self._deliver(cycle.granted)
+
+    async def _run_cycle(self, *, retry: bool = True, **kwargs: Any) -> _Cycle:
+        """One allocation cycle (`_cycle`) in its own transaction, storing what this process
+        learned from the provider since its last one; then what it found is applied here.
+
+        The cycle that stores a pause must commit before any later cycle of this process
+        takes the lock: a refused request's release, coming next, must not hand its slot
+        to a waiter during the pause. So a cycle that starts while one stores waits for it.
+        """
+        while self._applying is not None:
+            await self._applying.wait()
+        pending, self._pending = self._pending, []
+        if pending:
+            self._applying = anyio.Event()
+        try:
+            cycle = await self._run(partial(self._cycle, pending=pending, **kwargs), retry=retry)
+        except BaseException:
+            self._pending[:0] = pending  # not stored: the next transaction tries again
+            raise
+        finally:
+            if pending:
+                applying, self._applying = self._applying, None
+                if applying is not None:
+                    applying.set()
+        self._settle(cycle)
+        return cycle
+
+    def _settle(self, cycle: _Cycle) -> None:
+        """After a cycle's commit: take the limits in force, arm the poller for the next
+        refill or the end of a pause, report changes of the limit."""
+        if cycle.settings is not None:
+            self._adopt(*cycle.settings)
+        self._paused_until, self._backoffs = cycle.paused_until, cycle.backoffs
+        wake_at = math.inf if cycle.wake is None else anyio.current_time() + cycle.wake
+        earlier = wake_at < self._wake_at
+        self._wake_at = wake_at
+        if earlier and self._kick is not None:
+            self._kick.set()
+        for old, new, reason in cycle.changes:
+            self._limit_changed(old, new, reason)
+
+    def _adopt(self, settings: Settings, version: int) -> None:
+        """Use the limits in force (set by `set_limits()` here or in another process); a
+        local request waiting for a workload that is gone fails."""
+        self._settings, self._version = settings, version
+        for entry_id, waiter in list(self._waiters.items()):
+            if waiter.workload not in settings.workloads:
+                del self._waiters[entry_id]
+                waiter.error = ConcurrencyConfigError(
+                    f"workload {waiter.workload!r} was removed from limiter {self.name!r} by "
+                    "set_limits() while this request waited"
+                )
+                waiter.event.set()
+
+    def _settings_from(self, limits: Mapping[str, Any] | None) -> Settings:
+        """The settings of the limits stored by `set_limits()` (None: those given here),
+        with this process's own lease_ttl and, if it still exists, default workload."""
+        if limits is None:
+            return self._base
+        kwargs = _settings_kwargs(limits)
+        default = self._settings.default_workload or self._base.default_workload
+        if default not in kwargs["workloads"]:
+            default = None
+        try:
+            return build_settings(
+                name=self.name,
+                lease_ttl=self._settings.lease_ttl,
+                default_workload=default,
+                **kwargs,
+            )
+        except ConcurrencyConfigError as exc:
+            raise ConcurrencyLimiterError(
+                f"the limits stored for limiter {self.name!r} are invalid: {exc}"
+            ) from exc
 
     # -- transactions ---------------------------------------------------------------------
 
@@ -614,14 +1016,33 @@ class PostgresLimiter(BuiltinLimiter[W]):
                     raise
         raise AssertionError("unreachable")
 
-    async def _create_schema(self, conn: Conn) -> None:
-        # Many workers may start at once on a new database: the advisory lock (released at
-        # commit, so it works through PgBouncer) lets one create the tables at a time.
+    async def _schema_state(self, conn: Conn) -> tuple[bool, bool]:
+        """Whether the tables exist, and whether they have this version's columns."""
+        table, column = NEWEST_COLUMN
         cur = await conn.execute(
-            "SELECT to_regclass(%s) IS NOT NULL", [f"{_quote(self.schema)}.leases"], prepare=False
+            "SELECT to_regclass(%s) IS NOT NULL, EXISTS (SELECT 1 FROM pg_attribute "
+            "WHERE attrelid = to_regclass(%s) AND attname = %s AND NOT attisdropped)",
+            [f"{_quote(self.schema)}.{table}"] * 2 + [column],
+            prepare=False,
         )
         row = await cur.fetchone()
-        if row is not None and row[0]:
+        assert row is not None
+        return bool(row[0]), bool(row[1])
+
+    async def _check_schema(self, conn: Conn) -> None:
+        exists, current = await self._schema_state(conn)
+        if exists and not current:
+            raise ConcurrencyConfigError(
+                f"the tables in schema {self.schema!r} predate this version of slotwise "
+                f"(they lack {'.'.join(NEWEST_COLUMN)}): apply schema_sql({self.schema!r}) "
+                "again (it only adds what is missing), or pass ensure_schema=True"
+            )
+
+    async def _create_schema(self, conn: Conn) -> None:
+        # Many workers may start at once on a new database: the advisory lock (released at
+        # commit, so it works through PgBouncer) lets one create the tables at a time. An
+        # existing installation gets the columns of later versions the same way.
+        if (await self._schema_state(conn))[1]:
             return
         await conn.execute(
             "SELECT pg_advisory_xact_lock(hashtext('slotwise schema'), hashtext(%s))",
@@ -637,10 +1058,19 @@ class PostgresLimiter(BuiltinLimiter[W]):
         cur = await conn.execute(q.lock_limiter, [self._settings_json, self.name], prepare=False)
         row = await cur.fetchone()
         assert row is not None
-        if row[0]:
-            return
-        if self.on_conflict == "replace":
-            await conn.execute(q.replace_limits, [self._settings_json, self.name], prepare=False)
+        if row[0] or self.on_conflict == "replace":
+            if not row[0]:
+                await conn.execute(
+                    q.replace_limits, [self._settings_json, self.name], prepare=False
+                )
+            # The limits in force may have been changed by set_limits().
+            cur = await conn.execute(
+                q.state, {"name": self.name, "version": self._version}, prepare=False
+            )
+            state = await cur.fetchone()
+            assert state is not None
+            if state[4] != self._version:
+                self._adopt(self._settings_from(state[5]), state[4])
             return
         raise ConcurrencyConfigError(
             f"limiter {self.name!r} in schema {self.schema!r} is stored with different "
@@ -653,10 +1083,12 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self,
         conn: Conn,
         *,
-        enqueue: tuple[str, str, str, float] | None = None,
+        enqueue: tuple[str, str, str, float, int] | None = None,
         release: str | None = None,
         asked: list[str] | None = None,
         heartbeat: bool = False,
+        pending: Sequence[_Pending] = (),
+        change: Callable[[Settings], Settings] | None = None,
     ) -> _Cycle:
         """One allocation: lock, sweep, load, ``allocate``, grant; inside the caller's
         transaction.
@@ -665,12 +1097,29 @@ class PostgresLimiter(BuiltinLimiter[W]):
         own statement (a concurrent renewal either committed before it, and the lease
         survives, or finds the row gone), and only then is the snapshot loaded, in a new
         statement that sees everything committed before the lock was granted.
+
+        The rates and pushback state (buckets, pause, adaptive limit, the limits in force)
+        is read under the lock too and changed by the rules MemoryLimiter applies in memory
+        (slotwise._core.state), at the database's ``now``: what ``pending`` brings from
+        the provider, a ``change`` of the limits, the release's success, and the grants'
+        costs. It is written back only when it changed.
         """
         q = self._q
         name = self.name
         # In pipeline mode (see _run) everything up to the load's fetch is one round trip.
-        locked = await conn.execute(q.lock_limiter, [self._settings_json, name], prepare=False)
-        await conn.execute(
+        # The row as locked is its latest version: the rates and pushback state come with it.
+        locked = await conn.execute(
+            q.lock_state,
+            {"settings": self._settings_json, "name": name, "version": self._version},
+            prepare=False,
+        )
+        refused = [p.lease_id for p in pending if isinstance(p, _Pushback) and p.lease_id]
+        marked = None
+        if refused:  # before the sweep, which deletes a lease being released
+            marked = await conn.execute(
+                q.mark_throttled, {"name": name, "leases": refused}, prepare=False
+            )
+        swept = await conn.execute(
             q.sweep,
             {
                 "name": name,
@@ -681,8 +1130,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
             },
             prepare=False,
         )
+        counted = None
         if enqueue is not None:
-            entry_id, workload, request_id, wait = enqueue
+            entry_id, workload, request_id, wait, tokens = enqueue
             await conn.execute(
                 q.enqueue,
                 {
@@ -694,9 +1144,17 @@ class PostgresLimiter(BuiltinLimiter[W]):
                     "wait": None if math.isinf(wait) else wait,
                     "entry_ttl": self._queue_entry_ttl,
                     "lease_ttl": self._settings.lease_ttl,
+                    "tokens": tokens,
                 },
                 prepare=False,
             )
+            rule = self._settings.rules.workloads.get(workload)
+            if rule is not None and rule.max_queued is not None:
+                counted = await conn.execute(
+                    q.count_workload,
+                    {"name": name, "workload": workload, "fresh": entry_id},
+                    prepare=False,
+                )
         cur = await conn.execute(
             q.load,
             {
@@ -708,30 +1166,146 @@ class PostgresLimiter(BuiltinLimiter[W]):
             },
             prepare=False,
         )
-        self._check_lock(await locked.fetchone())
+        locked_row = await locked.fetchone()
+        self._check_lock(locked_row)
+        assert locked_row is not None
+        state_row = locked_row[2:]
+        epochs: dict[str, int] = {} if marked is None else dict(await marked.fetchall())
+        swept_row = await swept.fetchone()
+        assert swept_row is not None
+        waiting_here = None if counted is None else await counted.fetchone()
         loaded = await cur.fetchone()
         assert loaded is not None
         active_rows, queued, head_rows, mine_rows, present_rows, now = loaded
-        rules = self._settings.rules
-        active = {w: n for w, n in (active_rows or {}).items() if w in rules.workloads}
-        queues: dict[str, list[_Entry]] = {}
-        for entry_id, workload, micros, seq, owner in head_rows or []:
-            if workload in rules.workloads:
-                queues.setdefault(workload, []).append(
-                    _Entry(entry_id=entry_id, workload=workload, key=(micros, seq), owner=owner)
+
+        buckets, paused, backoffs, adaptive, version, limits, _ = state_row
+        settings = self._settings
+        adopted = version != self._version
+        if adopted:
+            settings = self._settings_from(limits)
+        pace = _Pace.load(settings, buckets, paused, backoffs, adaptive)
+        changes: list[tuple[int, int, str]] = []
+        if change is not None:
+            old_limit = pace.limit(settings)
+            settings = change(settings)
+            version += 1
+            adopted = True
+            pace.bank = carry_over(pace.bank, settings.rules, now)
+            pace.aimd, _ = readapt(pace.aimd, settings.rules, _adaptive(settings))
+            pace.dirty = True
+            await conn.execute(
+                q.store_limits,
+                {"name": name, "limits": json.dumps(_limits(settings)), "version": version},
+                prepare=False,
+            )
+            if pace.limit(settings) != old_limit:
+                changes.append((old_limit, pace.limit(settings), "set_limits"))
+        for item in pending:
+            pace.dirty = True
+            if isinstance(item, _Pushback):
+                pace.paused_until, pace.backoffs = pause(
+                    pace.paused_until, pace.backoffs, item.retry_after, now, item.jitter
                 )
-        grants = allocate(rules, active, queues, order=lambda e: e.key)
-        granted = {
-            entry_id: Lease(lease_id=lease_id, workload=workload, expires_at=float(expires))
-            for entry_id, lease_id, workload, expires in mine_rows or []
+                epoch = epochs.get(item.lease_id or "")
+                if epoch is not None and pace.aimd is not None:
+                    old_limit = pace.aimd.limit
+                    new_limit = pace.aimd.pushback(epoch)
+                    if new_limit is not None:
+                        changes.append((old_limit, new_limit, "pushback"))
+            elif isinstance(item, _Charge):
+                pace.bank.refill(now)
+                pace.bank.give(item.workload, "tokens", item.units)
+            else:
+                pace.bank.observe(item.kind, item.remaining, now)
+        released = swept_row[-1]  # [epoch, throttled] of the lease released here
+        if released is not None and not released[1]:
+            # A success: the backoff starts again from a second; an adaptive limit climbs.
+            if pace.backoffs:
+                pace.backoffs = 0
+                pace.dirty = True
+            if pace.aimd is not None:
+                old_limit, credit = pace.aimd.limit, pace.aimd.credit
+                new_limit = pace.aimd.success(int(released[0]))
+                pace.dirty = pace.dirty or pace.aimd.credit != credit
+                if new_limit is not None:
+                    changes.append((old_limit, new_limit, "recovered"))
+
+        active = dict(active_rows or {})
+        rules = retire(pace.rules(settings), active)
+        queues: dict[str, list[_Entry]] = {}
+        for entry_id, workload, micros, seq, owner, tokens, waited in head_rows or []:
+            if workload in settings.workloads:
+                queues.setdefault(workload, []).append(
+                    _Entry(
+                        entry_id=entry_id,
+                        workload=workload,
+                        key=(micros, seq),
+                        owner=owner,
+                        tokens=tokens,
+                        waited_for=tuple(waited or ()),
+                    )
+                )
+        waits: dict[str, set[str]] = {}
+        grants, refill_at = allocate_paced(
+            rules,
+            active,
+            queues,
+            _key,
+            now=now,
+            bank=pace.bank,
+            paused_until=pace.paused_until,
+            cost=_cost,
+            enqueued_at=_enqueued_at,
+            waited=lambda entry, keys: waits.setdefault(entry.entry_id, set()).update(keys),
+        )
+        if grants and pace.bank:
+            pace.dirty = True
+        granted_ids = {e.entry_id for e in grants}
+        waited_for = {
+            e.entry_id: tuple(sorted(set(e.waited_for) | waits.get(e.entry_id, set())))
+            for entries in queues.values()
+            for e in entries
+            if e.entry_id in waits or e.waited_for
         }
-        full = False
-        if enqueue is not None and enqueue[0] not in {e.entry_id for e in grants}:
+        # A head that waits for buckets says so in its entry: whichever process grants it
+        # later reports what it waited for.
+        blocked = {
+            e.entry_id: list(waited_for[e.entry_id])
+            for entries in queues.values()
+            for e in entries
+            if e.entry_id in waits
+            and e.entry_id not in granted_ids
+            and waited_for[e.entry_id] != e.waited_for
+        }
+        if blocked:
+            await conn.execute(q.mark_waited, [json.dumps(blocked)], prepare=False)
+        granted = {
+            entry_id: Lease(
+                lease_id=lease_id,
+                workload=workload,
+                expires_at=float(expires),
+                waited_for=tuple(waited or ()),
+            )
+            for entry_id, lease_id, workload, expires, waited in mine_rows or []
+        }
+        full = None
+        if enqueue is not None and enqueue[0] not in granted_ids:
             # Not granted now: it waits, unless the queue is full or it may not wait.
             waiting_before = queued - 1
-            maximum = self._settings.max_queued
-            if (maximum is not None and waiting_before >= maximum) or enqueue[3] <= 0:
-                full = maximum is not None and waiting_before >= maximum
+            maximum = settings.max_queued
+            bound = (
+                settings.workloads[enqueue[1]].max_queued
+                if enqueue[1] in settings.workloads
+                else None
+            )
+            if maximum is not None and waiting_before >= maximum:
+                full = f"{waiting_before} requests are already waiting (max_queued={maximum})"
+            elif bound is not None and waiting_here is not None and waiting_here[0] >= bound:
+                full = (
+                    f"{waiting_here[0]} requests of workload {enqueue[1]!r} are already "
+                    f"waiting (its max_queued={bound})"
+                )
+            if full is not None or enqueue[3] <= 0:
                 await conn.execute(q.drop_entry, [enqueue[0]], prepare=False)
                 queued -= 1
         if grants:
@@ -744,6 +1318,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
                     "name": name,
                     "entries": [e.entry_id for e in grants],
                     "leases": lease_ids,
+                    "waited": [json.dumps(waited_for.get(e.entry_id, ())) for e in grants],
+                    "epoch": 0 if pace.aimd is None else pace.aimd.epoch,
                     "owner": self._owner,
                     "channel": self._channel,
                 },
@@ -756,13 +1332,22 @@ class PostgresLimiter(BuiltinLimiter[W]):
                         lease_id=lease_id,
                         workload=entry.workload,
                         expires_at=now + self._settings.lease_ttl,
+                        waited_for=waited_for.get(entry.entry_id, ()),
                     )
             queued -= len(grants)
+        if pace.dirty:
+            await conn.execute(q.save_state, {"name": name, **pace.params()}, prepare=False)
+        wake = paced_wake(refill_at, pace.paused_until, now)
         return _Cycle(
             granted=granted,
             present=frozenset(str(e) for e in present_rows or []),
             queued=queued,
             full=full,
+            settings=(settings, version) if adopted else None,
+            changes=tuple(changes),
+            wake=None if wake == math.inf else max(0.0, wake - now),
+            paused_until=pace.paused_until,
+            backoffs=pace.backoffs,
         )
 
     async def _lock(self, conn: Conn) -> None:
@@ -787,8 +1372,13 @@ class PostgresLimiter(BuiltinLimiter[W]):
     async def _fetch(self, conn: Conn, *, asked: list[str]) -> dict[str, Lease]:
         cur = await conn.execute(self._q.fetch_mine, [asked], prepare=False)
         return {
-            str(entry_id): Lease(lease_id=str(lease_id), workload=workload, expires_at=expires)
-            for entry_id, lease_id, workload, expires in await cur.fetchall()
+            str(entry_id): Lease(
+                lease_id=str(lease_id),
+                workload=workload,
+                expires_at=expires,
+                waited_for=tuple(waited),
+            )
+            for entry_id, lease_id, workload, expires, waited in await cur.fetchall()
         }
 
     async def _withdraw(
@@ -817,9 +1407,18 @@ class PostgresLimiter(BuiltinLimiter[W]):
         row = await cur.fetchone()
         return None if row is None else (row[0], float(row[1]))
 
-    async def _stats_rows(self, conn: Conn) -> list[tuple[str, str, int]]:
+    async def _stats_rows(self, conn: Conn) -> tuple[list[tuple[str, str, int]], tuple[Any, ...]]:
         cur = await conn.execute(self._q.stats, {"name": self.name}, prepare=False)
-        return await cur.fetchall()
+        state = await conn.execute(
+            self._q.state, {"name": self.name, "version": self._version}, prepare=False
+        )
+        rows = await cur.fetchall()
+        row = await state.fetchone()
+        if row is None:
+            raise ConcurrencyLimiterError(
+                f"limiter {self.name!r} is missing from {self.schema!r}.limiters"
+            )
+        return rows, row
 
     def __repr__(self) -> str:
         rules = self._settings.rules
@@ -852,20 +1451,86 @@ def _require_asyncio() -> None:
 
 def _stored_limits(settings: Settings) -> dict[str, Any]:
     """The limits every process sharing a name must agree on (lease and entry TTLs, the
-    default workload and poll interval are each process's own)."""
+    default workload and poll interval are each process's own). Settings that came later
+    (rates, pushback, per-workload queue bounds) appear only when set, so that limits
+    stored by an earlier version still agree."""
+    workloads: dict[str, Any] = {}
+    for name, rule in settings.rules.workloads.items():
+        workload = settings.workloads[name]
+        stored = workloads[name] = {
+            "max_concurrent": rule.ceiling,
+            "reserved": rule.reserved,
+            "priority": rule.priority,
+            "max_wait": workload.max_wait,
+        }
+        if workload.max_queued is not None:
+            stored["max_queued"] = workload.max_queued
+        if workload.rate is not None:
+            stored["rate"] = _rate_json(workload.rate)
+    limits: dict[str, Any] = {
+        "max_concurrent": settings.max_concurrent,
+        "max_queued": settings.max_queued,
+        "workloads": workloads,
+    }
+    if settings.rate is not None:
+        limits["rate"] = _rate_json(settings.rate)
+    if settings.adaptive is not None:
+        limits["adaptive"] = _adaptive_json(settings.adaptive)
+    return limits
+
+
+def _limits(settings: Settings) -> dict[str, Any]:
+    """The limits set by `set_limits()`, as stored for every process (each keeps its own
+    lease_ttl and default workload): the settings as given, a workload's ceiling None when
+    it follows the limiter's."""
     return {
         "max_concurrent": settings.max_concurrent,
         "max_queued": settings.max_queued,
         "workloads": {
             name: {
-                "max_concurrent": rule.ceiling,
-                "reserved": rule.reserved,
-                "priority": rule.priority,
-                "max_wait": settings.workloads[name].max_wait,
+                "max_concurrent": w.max_concurrent,
+                "reserved": w.reserved,
+                "priority": w.priority,
+                "max_wait": w.max_wait,
+                "max_queued": w.max_queued,
+                "rate": None if w.rate is None else _rate_json(w.rate),
             }
-            for name, rule in settings.rules.workloads.items()
+            for name, w in settings.workloads.items()
         },
+        "rate": None if settings.rate is None else _rate_json(settings.rate),
+        "adaptive": None if settings.adaptive is None else _adaptive_json(settings.adaptive),
     }
+
+
+def _settings_kwargs(limits: Mapping[str, Any]) -> dict[str, Any]:
+    """`build_settings` keywords from `_limits()`."""
+
+    def rate(stored: Mapping[str, Any] | None) -> Rate | None:
+        return None if stored is None else Rate(**stored)
+
+    return {
+        "max_concurrent": limits["max_concurrent"],
+        "max_queued": limits["max_queued"],
+        "workloads": {
+            name: Workload(**{**w, "rate": rate(w.get("rate"))})
+            for name, w in limits["workloads"].items()
+        },
+        "rate": rate(limits.get("rate")),
+        "adaptive": None if limits.get("adaptive") is None else Adaptive(**limits["adaptive"]),
+    }
+
+
+def _rate_json(rate: Rate) -> dict[str, Any]:
+    return {"requests": rate.requests, "tokens": rate.tokens, "per": float(rate.per)}
+
+
+def _adaptive_json(adaptive: Adaptive) -> dict[str, Any]:
+    return {"min_concurrent": adaptive.min_concurrent, "backoff": float(adaptive.backoff)}
+
+
+def _adaptive(settings: Settings) -> tuple[int, float] | None:
+    adaptive = settings.adaptive
+    return None if adaptive is None else (adaptive.min_concurrent, adaptive.backoff)
 
 
 async def _resolve(value: Any) -> Any:
@@ -894,6 +1559,7 @@ class _Queries:
     """The statements, with the schema quoted in; every value is a bound parameter."""
 
     __slots__ = (
+        "count_workload",
         "drop_entry",
         "enqueue",
         "fetch_mine",
@@ -901,9 +1567,15 @@ class _Queries:
         "insert_limiter",
         "load",
         "lock_limiter",
+        "lock_state",
+        "mark_throttled",
+        "mark_waited",
         "renew",
         "replace_limits",
+        "save_state",
+        "state",
         "stats",
+        "store_limits",
         "sweep",
     )
 
@@ -918,9 +1590,57 @@ class _Queries:
         self.lock_limiter = q(
             "SELECT settings = %s::jsonb, settings FROM {s}.limiters WHERE name = %s FOR UPDATE"
         )
+        # New limits deployed: those set at run time by set_limits() go too.
         self.replace_limits = q(
-            "UPDATE {s}.limiters SET settings = %s::jsonb, updated_at = clock_timestamp() "
-            "WHERE name = %s"
+            "UPDATE {s}.limiters SET settings = %s::jsonb, updated_at = clock_timestamp(), "
+            "limits = NULL, limits_version = limits_version + 1 WHERE name = %s"
+        )
+        # The rates and pushback state, and the limits in force when they are not those
+        # this process last saw; with the row lock and the check of lock_limiter.
+        state = """
+            buckets, extract(epoch FROM paused_until)::float8, backoffs, adaptive,
+            limits_version, CASE WHEN limits_version <> %(version)s THEN limits END,
+            extract(epoch FROM clock_timestamp())::float8
+            FROM {s}.limiters WHERE name = %(name)s
+        """
+        self.state = q("SELECT " + state)
+        self.lock_state = q(
+            "SELECT settings = %(settings)s::jsonb, settings, " + state + " FOR UPDATE"
+        )
+        self.save_state = q(
+            """
+            UPDATE {s}.limiters
+            SET buckets = %(buckets)s::jsonb,
+                paused_until = to_timestamp(%(paused_until)s::float8),
+                backoffs = %(backoffs)s, adaptive = %(adaptive)s::jsonb
+            WHERE name = %(name)s
+            """
+        )
+        self.store_limits = q(
+            "UPDATE {s}.limiters SET limits = %(limits)s::jsonb, "
+            "limits_version = %(version)s WHERE name = %(name)s"
+        )
+        self.mark_throttled = q(
+            """
+            UPDATE {s}.leases SET throttled = true
+            WHERE lease_id = ANY(%(leases)s::uuid[]) AND limiter = %(name)s
+            RETURNING lease_id::text, epoch
+            """
+        )
+        self.mark_waited = q(
+            """
+            UPDATE {s}.queue q SET waited_for = ARRAY(SELECT jsonb_array_elements_text(b.value))
+            FROM jsonb_each(%s::jsonb) AS b
+            WHERE q.entry_id = b.key::uuid
+            """
+        )
+        self.count_workload = q(
+            """
+            SELECT count(*) FROM {s}.queue
+            WHERE limiter = %(name)s AND workload = %(workload)s
+              AND entry_id <> %(fresh)s::uuid AND stale_at > clock_timestamp()
+              AND (deadline IS NULL OR deadline > clock_timestamp())
+            """
         )
         # Expired leases (and the one being released) go; so do other processes' entries
         # that are stale or past their deadline. This process's own entries are refreshed.
@@ -930,7 +1650,7 @@ class _Queries:
                 DELETE FROM {s}.leases
                 WHERE limiter = %(name)s
                   AND (expires_at <= clock_timestamp() OR lease_id = %(release)s::uuid)
-                RETURNING 1
+                RETURNING lease_id, epoch, throttled
             ), stale AS (
                 DELETE FROM {s}.queue
                 WHERE limiter = %(name)s AND owner <> %(owner)s::uuid
@@ -943,18 +1663,20 @@ class _Queries:
                 RETURNING 1
             )
             SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM stale),
-                   (SELECT count(*) FROM beat)
+                   (SELECT count(*) FROM beat),
+                   (SELECT json_build_array(epoch, throttled) FROM gone
+                    WHERE lease_id = %(release)s::uuid)
             """
         )
         self.enqueue = q(
             """
             INSERT INTO {s}.queue (entry_id, limiter, workload, owner, request_id,
-                                   enqueued_at, deadline, stale_at, lease_ttl)
+                                   enqueued_at, deadline, stale_at, lease_ttl, tokens)
             VALUES (%(entry_id)s, %(name)s, %(workload)s, %(owner)s, %(request_id)s,
                     clock_timestamp(),
                     clock_timestamp() + make_interval(secs => %(wait)s),
                     clock_timestamp() + make_interval(secs => %(entry_ttl)s),
-                    %(lease_ttl)s)
+                    %(lease_ttl)s, %(tokens)s)
             """
         )
         # The snapshot the allocation needs: active leases per workload, the number of live
@@ -963,7 +1685,8 @@ class _Queries:
         self.load = q(
             """
             WITH live AS (
-                SELECT entry_id, workload, enqueued_at, seq, owner FROM {s}.queue
+                SELECT entry_id, workload, enqueued_at, seq, owner, tokens, waited_for
+                FROM {s}.queue
                 WHERE limiter = %(name)s AND stale_at > clock_timestamp()
                   AND (deadline IS NULL OR deadline > clock_timestamp()
                        OR entry_id = %(fresh)s::uuid)
@@ -973,16 +1696,17 @@ class _Queries:
                     SELECT workload, count(*) AS n FROM {s}.leases
                     WHERE limiter = %(name)s GROUP BY workload) a),
                 (SELECT count(*) FROM live),
-                (SELECT json_agg(json_build_array(entry_id, workload, micros, seq, owner)
+                (SELECT json_agg(json_build_array(entry_id, workload, micros, seq, owner,
+                                                  tokens, waited_for)
                                  ORDER BY micros, seq)
-                 FROM (SELECT entry_id, workload, seq, owner,
+                 FROM (SELECT entry_id, workload, seq, owner, tokens, waited_for,
                               (extract(epoch FROM enqueued_at) * 1000000)::bigint AS micros,
                               row_number() OVER (PARTITION BY workload
                                                  ORDER BY enqueued_at, seq) AS rank
                        FROM live) h
                  WHERE rank <= %(heads)s),
                 (SELECT json_agg(json_build_array(entry_id, lease_id, workload,
-                                                  extract(epoch FROM expires_at)))
+                                                  extract(epoch FROM expires_at), waited_for))
                  FROM {s}.leases
                  WHERE entry_id = ANY(%(asked)s::uuid[]) AND expires_at > clock_timestamp()),
                 (SELECT json_agg(entry_id) FROM {s}.queue
@@ -994,26 +1718,28 @@ class _Queries:
         self.grant = q(
             """
             WITH g AS (
-                SELECT * FROM unnest(%(entries)s::uuid[], %(leases)s::uuid[])
-                    AS g(entry_id, lease_id)
+                SELECT * FROM unnest(%(entries)s::uuid[], %(leases)s::uuid[],
+                                     %(waited)s::text[])
+                    AS g(entry_id, lease_id, waited)
             ), d AS (
                 DELETE FROM {s}.queue q USING g
                 WHERE q.entry_id = g.entry_id AND q.limiter = %(name)s
                 RETURNING q.entry_id, g.lease_id, q.workload, q.owner, q.request_id,
-                          q.lease_ttl
+                          q.lease_ttl, g.waited
             ), i AS (
                 INSERT INTO {s}.leases (lease_id, limiter, workload, owner, entry_id,
-                                        request_id, granted_at, expires_at)
+                                        request_id, granted_at, expires_at, epoch, waited_for)
                 SELECT lease_id, %(name)s, workload, owner, entry_id, request_id,
-                       clock_timestamp(), clock_timestamp() + make_interval(secs => lease_ttl)
+                       clock_timestamp(), clock_timestamp() + make_interval(secs => lease_ttl),
+                       %(epoch)s, ARRAY(SELECT jsonb_array_elements_text(waited::jsonb))
                 FROM d
-                RETURNING entry_id, lease_id, workload, owner, expires_at
+                RETURNING entry_id, lease_id, workload, owner, expires_at, waited_for
             ), n AS (
                 -- The grants of other processes, for their listeners; a payload must stay
                 -- under 8000 bytes, so a long one shrinks to "poll now" for those owners.
                 SELECT json_build_object('g', json_agg(json_build_array(
                            owner, entry_id, lease_id, workload,
-                           extract(epoch FROM expires_at)::float8)))::text AS grants,
+                           extract(epoch FROM expires_at)::float8, waited_for)))::text AS grants,
                        json_build_object('k', json_agg(DISTINCT owner))::text AS owners
                 FROM i WHERE owner <> %(owner)s::uuid
                 HAVING count(*) > 0
@@ -1026,7 +1752,7 @@ class _Queries:
         )
         self.fetch_mine = q(
             "SELECT entry_id::text, lease_id::text, workload, "
-            "extract(epoch FROM expires_at)::float8 FROM {s}.leases "
+            "extract(epoch FROM expires_at)::float8, waited_for FROM {s}.leases "
             "WHERE entry_id = ANY(%s::uuid[]) AND expires_at > clock_timestamp()"
         )
         self.renew = q(

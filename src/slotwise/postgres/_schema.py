@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-__all__ = ("channel_name", "schema_ddl", "schema_sql")
+__all__ = ("NEWEST_COLUMN", "channel_name", "schema_ddl", "schema_sql")
 
 # Three tables per schema, shared by every limiter name in it:
 #   limiters  one row per limiter name: its limits, and the row whose lock serialises every
@@ -12,6 +12,21 @@ __all__ = ("channel_name", "schema_ddl", "schema_sql")
 #   queue     waiting requests. ``stale_at`` is pushed forward by the waiting process; a dead
 #             process's entries pass it and are swept. ``deadline`` is on the database clock.
 #   leases    granted slots, valid until ``expires_at`` (database clock) unless renewed.
+#
+# The rates and pushback state came later: they are added by ``ALTER TABLE ... ADD COLUMN IF
+# NOT EXISTS``, each with a constant default (a catalog change only, no table rewrite), so
+# the same DDL creates a new installation and upgrades an existing one in place.
+#   limiters.limits          the limits set at run time by set_limits() (NULL: ``settings``)
+#   limiters.limits_version  counts changes of the limits in force; processes compare it
+#   limiters.buckets         each rate bucket's level at a time (database clock, epoch s)
+#   limiters.paused_until    no grant before this (provider pushback); NULL: never paused
+#   limiters.backoffs        pauses without a retry-after since the last success
+#   limiters.adaptive        the adaptive limit: its value, epoch and credit
+#   queue.tokens             the request's token estimate, charged at grant
+#   queue.waited_for         the buckets the request has had to wait for
+#   leases.epoch             the adaptive limit's epoch when the lease was granted
+#   leases.throttled         the provider refused the lease's request
+#   leases.waited_for        what held the request back ("pause" included)
 _DDL = """\
 CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE TABLE IF NOT EXISTS {schema}.limiters (
@@ -45,7 +60,24 @@ CREATE TABLE IF NOT EXISTS {schema}.leases (
 );
 CREATE INDEX IF NOT EXISTS leases_by_limiter ON {schema}.leases (limiter, expires_at);
 CREATE INDEX IF NOT EXISTS leases_by_entry ON {schema}.leases (entry_id);
+ALTER TABLE {schema}.limiters
+    ADD COLUMN IF NOT EXISTS limits jsonb,
+    ADD COLUMN IF NOT EXISTS limits_version bigint NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS buckets jsonb NOT NULL DEFAULT '{{}}',
+    ADD COLUMN IF NOT EXISTS paused_until timestamptz,
+    ADD COLUMN IF NOT EXISTS backoffs integer NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS adaptive jsonb;
+ALTER TABLE {schema}.queue
+    ADD COLUMN IF NOT EXISTS tokens bigint NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS waited_for text[] NOT NULL DEFAULT '{{}}';
+ALTER TABLE {schema}.leases
+    ADD COLUMN IF NOT EXISTS epoch bigint NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS throttled boolean NOT NULL DEFAULT false,
+    ADD COLUMN IF NOT EXISTS waited_for text[] NOT NULL DEFAULT '{{}}';
 """
+
+# The last column added: a schema that has it is current.
+NEWEST_COLUMN = ("leases", "waited_for")
 
 
 def schema_ddl(schema: str) -> list[sql.Composed]:
@@ -61,14 +93,17 @@ def schema_sql(schema: str = "slotwise") -> str:
     """Return the DDL that creates PostgresLimiter's tables, for a migration.
 
     Apply it once (it is idempotent) and pass `ensure_schema=False` to limiters whose
-    database role may not run DDL.
+    database role may not run DDL. Apply it again after an upgrade of slotwise: it adds the
+    columns a newer version needs to existing tables (`ADD COLUMN IF NOT EXISTS`, with
+    constant defaults: no table rewrite) and changes nothing else.
 
     Args:
         schema: The schema to create the tables in; quoted as an identifier.
 
     Returns:
-        SQL text: `CREATE SCHEMA IF NOT EXISTS ...` and the `CREATE TABLE` and
-        `CREATE INDEX` statements.
+        SQL text: `CREATE SCHEMA IF NOT EXISTS ...`, the `CREATE TABLE` and
+        `CREATE INDEX` statements, and the `ALTER TABLE ... ADD COLUMN IF NOT EXISTS`
+        statements of later columns.
 
     Example:
         ```python
