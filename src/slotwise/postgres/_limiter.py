@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from datetime import datetime
 from functools import partial
 from types import TracebackType
 from typing import Any, Literal, TypeVar, final, overload
@@ -19,7 +21,7 @@ import psycopg
 from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 from psycopg import sql
 from psycopg.rows import TupleRow
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .._base import BuiltinLimiter
 from .._config import (
@@ -31,7 +33,7 @@ from .._config import (
     seconds,
     wait_timeout,
 )
-from .._core.rules import allocate
+from .._core.rules import WorkloadRule, allocate
 from .._errors import (
     ConcurrencyConfigError,
     ConcurrencyLimiterError,
@@ -48,6 +50,19 @@ T = TypeVar("T")
 Conn = psycopg.AsyncConnection[TupleRow]
 
 _logger = logging.getLogger("slotwise")
+
+# The longest duration the database's timestamps take in stride (clock_timestamp() plus more
+# than about 290,000 years overflows): about 31 years. TTLs are checked against it; a longer
+# wait waits with no deadline in the database (this process still ends it on time).
+_MAX_SECONDS = 1e9
+# TCP keepalive of the listening connection, unless its conninfo sets its own: a connection
+# that died without a word (a half-open socket) is noticed within about a minute.
+_KEEPALIVE = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
 
 
 @attrs.frozen(kw_only=True)
@@ -67,19 +82,40 @@ class _Cycle:
     granted: dict[str, Lease]  # this process's entries that hold a lease now
     present: frozenset[str]  # this process's asked-about entries still queued
     queued: int  # live entries, ours included
-    full: bool  # the request enqueued by this cycle was refused: max_queued
+    # Entries enqueued by this cycle and dropped at once: "full" (max_queued) or "no-wait".
+    refused: dict[str, str] = attrs.field(factory=dict)
+    since: dict[str, datetime] = attrs.field(factory=dict)  # their enqueued_at (database)
+    # The stored limits are not this process's: nothing was allocated (releases and
+    # withdrawals were still applied); the waiters of this process fail with it.
+    error: ConcurrencyConfigError | None = None
 
 
 @final
 class _Waiter:
-    __slots__ = ("entry_id", "error", "event", "lease", "queued")
+    __slots__ = (
+        "entry_id",
+        "error",
+        "event",
+        "lease",
+        "refused",
+        "request_id",
+        "since",
+        "wait",
+        "workload",
+    )
 
-    def __init__(self, entry_id: str) -> None:
-        self.entry_id = entry_id
-        self.queued = False  # its queue entry is committed
+    def __init__(
+        self, workload: str, request_id: str, wait: float, since: datetime | None = None
+    ) -> None:
+        self.entry_id = str(uuid.uuid4())
+        self.workload = workload
+        self.request_id = request_id
+        self.wait = wait  # seconds it may wait, from when it is enqueued
+        self.since = since  # enqueued_at in the database: a request queued again keeps it
         self.event = anyio.Event()
         self.lease: Lease | None = None
         self.error: BaseException | None = None
+        self.refused = False  # the allocation dropped its entry at once (set with event)
 
 
 @final
@@ -94,7 +130,15 @@ class PostgresLimiter(BuiltinLimiter[W]):
     load grows with processes, not with waiters.
 
     asyncio only (psycopg's async API): under trio, ``acquire`` fails with
-    ``ConcurrencyConfigError``.
+    ``ConcurrencyConfigError``. A limiter belongs to the event loop that started it (its pool,
+    poller and listener live there): another loop or thread gets ``ConcurrencyConfigError``;
+    give it a limiter object of its own with the same name, which shares the same slots. Once
+    that loop has ended (``asyncio.run()`` returned), the next one may use it.
+
+    Every step that needs the database (a connection, the limiter's lock, a statement) is
+    bounded by ``db_timeout``: past it, the request fails closed. A waiting request keeps its
+    deadline and its cancellation whatever the database does: the poller talks to the
+    database, the request only waits for its answer.
 
     Args:
         conninfo: A libpq connection string (the limiter creates and closes its own pool),
@@ -108,7 +152,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
         default_workload: The workload of requests that name none.
         poll_interval: Seconds between the allocation checks of a process that has waiting
             requests (notifications make most grants faster than this).
-        queue_entry_ttl: Seconds after which a dead process's queue entries are dropped.
+        queue_entry_ttl: Seconds after which a dead process's queue entries are dropped
+            (they are no longer granted slots from about a second after it died).
         schema: The schema of the tables (quoted as an identifier).
         ensure_schema: Create the tables on first use; False when a migration applied
             :func:`schema_sql`.
@@ -124,6 +169,10 @@ class PostgresLimiter(BuiltinLimiter[W]):
             moments (up to three ``wal_writer_delay``) are lost, so a slot granted just
             before the crash may be granted again until its holder's next renewal finds
             the lease gone and cancels its body.
+        db_timeout: Seconds one database step may take: waiting for a pool connection, for
+            the limiter's row lock, or for a statement. Past it the request fails closed
+            with ``ConcurrencyLimiterError`` (a refused connection, a pool whose connections
+            are all held, a process stalled while holding the lock).
 
     Raises:
         ConcurrencyConfigError: a setting is invalid; the message names it.
@@ -138,21 +187,29 @@ class PostgresLimiter(BuiltinLimiter[W]):
     """
 
     __slots__ = (
+        "_abandoned",
         "_beat_at",
         "_channel",
         "_kick",
         "_listen",
         "_listener",
+        "_listening",
+        "_loop",
+        "_offset",
         "_owner",
         "_owns_pool",
+        "_pending",
         "_poller",
         "_pool",
         "_q",
         "_queue_entry_ttl",
+        "_rounds",
         "_settings_json",
         "_start_lock",
         "_started",
+        "_tasks",
         "_waiters",
+        "db_timeout",
         "ensure_schema",
         "on_conflict",
         "poll_interval",
@@ -178,6 +235,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         on_conflict: Literal["error", "replace"] = ...,
         listen: bool | str = ...,
         synchronous_commit: bool = ...,
+        db_timeout: float = ...,
     ) -> None: ...
 
     @overload
@@ -198,6 +256,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         on_conflict: Literal["error", "replace"] = ...,
         listen: bool | str = ...,
         synchronous_commit: bool = ...,
+        db_timeout: float = ...,
     ) -> None: ...
 
     def __init__(
@@ -217,6 +276,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         on_conflict: Literal["error", "replace"] = "error",
         listen: bool | str = True,
         synchronous_commit: bool = True,
+        db_timeout: float = 5.0,
     ) -> None:
         self._settings: Settings = build_settings(
             name=name,
@@ -228,6 +288,13 @@ class PostgresLimiter(BuiltinLimiter[W]):
         )
         seconds("poll_interval", poll_interval, finite=True)
         seconds("queue_entry_ttl", queue_entry_ttl, finite=True)
+        seconds("db_timeout", db_timeout, finite=True)
+        for setting, value in (("lease_ttl", lease_ttl), ("queue_entry_ttl", queue_entry_ttl)):
+            if value > _MAX_SECONDS:
+                raise ConcurrencyConfigError(
+                    f"{setting} must be at most {_MAX_SECONDS:g} seconds (about 31 years; the "
+                    f"database's timestamps overflow beyond), got {value!r}"
+                )
         if not isinstance(schema, str) or not schema:
             raise ConcurrencyConfigError(f"schema must be a non-empty string, got {schema!r}")
         if on_conflict not in ("error", "replace"):
@@ -252,17 +319,29 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self.on_conflict = on_conflict
         self._listen = listen
         self.synchronous_commit = bool(synchronous_commit)
+        self.db_timeout = float(db_timeout)
         self._settings_json = json.dumps(_stored_limits(self._settings), sort_keys=True)
         self._channel = channel_name(schema)
         self._owner = str(uuid.uuid4())
         self._q = _Queries(schema)
         self._started = False
         self._start_lock: asyncio.Lock | None = None
-        self._waiters: dict[str, _Waiter] = {}
+        self._waiters: dict[str, _Waiter] = {}  # local requests waiting, by queue entry
+        self._pending: dict[str, _Waiter] = {}  # those not yet enqueued, in arrival order
+        # Entries of requests that ended without their lease, with when: the poller drops
+        # them, and gives back any slot granted to them.
+        self._abandoned: dict[str, float] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()  # transactions running (see _run)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
         self._poller: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
+        self._listening: Conn | None = None  # the listener's connection, while it has one
         self._kick: anyio.Event | None = None
+        self._rounds: anyio.Event | None = None  # set after each round of the poller
         self._beat_at = -math.inf
+        # The database clock minus this loop's clock, as last measured (an upper bound, so
+        # a lease's expiry converted with it is never later than the truth).
+        self._offset: float | None = None
 
     # -- settings -------------------------------------------------------------------------
 
@@ -288,21 +367,54 @@ class PostgresLimiter(BuiltinLimiter[W]):
     ) -> None:
         await self.aclose()
 
+    def _check_loop(self) -> None:
+        """Refuse a second event loop: the pool, the poller and the listener belong to the
+        loop that started the limiter (a request on another would never be woken)."""
+        _require_asyncio()
+        loop = asyncio.get_running_loop()
+        if self._loop is None or self._loop is loop:
+            return
+        if self._loop.is_closed():
+            self._forget_loop()  # that loop has ended (asyncio.run() returned): start anew
+            return
+        raise ConcurrencyConfigError(
+            f"PostgresLimiter {self.name!r} is in use on another event loop (the one that "
+            "started it, where its connections, poller and listener live), so it cannot serve "
+            "this one. Give each event loop or thread its own PostgresLimiter with the same "
+            "name and limits (they share one capacity through the database), or run this code "
+            "on the limiter's loop (asyncio.run_coroutine_threadsafe)"
+        )
+
+    def _forget_loop(self) -> None:
+        """Drop what lived on an event loop that has ended (its tasks ended with it)."""
+        self._started = False
+        self._loop = self._start_lock = None
+        self._poller = self._listener = None
+        self._kick = self._rounds = None
+        self._listening = None
+        self._waiters.clear()
+        self._pending.clear()
+        self._abandoned.clear()
+        self._tasks.clear()
+        if self._owns_pool:
+            self._pool = _own_pool(self._pool.conninfo)  # type: ignore[arg-type]
+
     async def start(self) -> None:
         """Open the pool, create the schema if asked, and check or store the limits.
 
         Done on first use anyway; call it (or ``async with limiter``) to fail early.
 
         Raises:
-            ConcurrencyConfigError: the limits differ from those stored for this name, or
-                the event loop is not asyncio.
+            ConcurrencyConfigError: the limits differ from those stored for this name, the
+                event loop is not asyncio, or the limiter is in use on another event loop.
         """
-        _require_asyncio()
+        self._check_loop()
         if self._started:
             await checkpoint()
             return
         if self._start_lock is None:
             self._start_lock = asyncio.Lock()
+            self._loop = asyncio.get_running_loop()
         async with self._start_lock:
             if self._started:
                 return
@@ -323,6 +435,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     async def aclose(self) -> None:
         """Stop the poller and the listener, and close the pool if the limiter made it."""
+        self._check_loop()
+        if self._loop is None:  # never started, or its event loop ended: nothing runs
+            return
         for task in (self._poller, self._listener):
             if task is not None:
                 task.cancel()
@@ -335,13 +450,30 @@ class PostgresLimiter(BuiltinLimiter[W]):
             waiter.error = ConcurrencyLimiterError("the limiter was closed")
             waiter.event.set()
         self._waiters.clear()
-        if self._owns_pool:
-            await self._pool.close()
+        self._pending.clear()
+        with anyio.CancelScope(shield=True):
+            if self._abandoned and self._started:
+                # The entries of requests that ended lately go now, not when they go stale.
+                with contextlib.suppress(Exception):  # else they go stale; leases expire
+                    await self._run(partial(self._cycle, withdraw=list(self._abandoned)))
+            self._abandoned.clear()
+            if self._tasks:  # transactions still running finish before their pool closes
+                await asyncio.wait(set(self._tasks), timeout=3 * self.db_timeout)
+            if self._owns_pool:
+                await self._pool.close()
         self._started = False
+        self._loop = self._start_lock = None
 
     async def stats(self) -> LimiterStats:
-        """Active and queued requests across every process, in total and per workload."""
+        """Active and queued requests across every process, in total and per workload.
+
+        Requests of this process that ended are out of the queue first (when the database
+        answers within ``db_timeout``): the figures include what this process did.
+        """
         await self.start()
+        with anyio.move_on_after(self.db_timeout):
+            while self._abandoned and self._rounds is not None:
+                await self._rounds.wait()
         rows = await self._run(self._stats_rows)
         active: dict[str, int] = {}
         queued: dict[str, int] = {}
@@ -354,94 +486,81 @@ class PostgresLimiter(BuiltinLimiter[W]):
     async def acquire(self, request: AcquireRequest) -> Lease:
         """Wait for a slot (see :class:`slotwise.Limiter`); safe to cancel at any point.
 
+        The request joins this process's queue at once (requests made together enter the
+        database in the order of the calls); the poller enqueues it, and hands it its lease.
+        Its deadline and a cancellation end the wait at once, whatever the database does; its
+        queue entry, and a slot granted to it meanwhile, then go back in the poller's next
+        cycle.
+
         Raises:
             ConcurrencyTimeoutError: no slot before the deadline or ``max_wait``.
             ConcurrencyQueueFullError: ``max_queued`` requests were already waiting.
-            ConcurrencyConfigError: unknown workload, limits changed, or not asyncio.
+            ConcurrencyConfigError: unknown workload, limits changed, not asyncio, or the
+                limiter is in use on another event loop.
             psycopg.Error: the database failed (the runtime reports it as
                 ``ConcurrencyLimiterError``).
         """
         await checkpoint_if_cancelled()
         workload = resolve_workload(self._settings, request.workload)
-        await self.start()
+        self._check_loop()
         started = anyio.current_time()
-        wait = math.inf if request.deadline is None else request.deadline - started
+        end = math.inf if request.deadline is None else request.deadline
         max_wait = self._settings.workloads[workload].max_wait
         if max_wait is not None:
-            wait = min(wait, max_wait)
-        wait = max(wait, 0.0)
-        waiter = _Waiter(str(uuid.uuid4()))
-        self._waiters[waiter.entry_id] = waiter
-        queued = True  # the entry may exist in the database: clean up on the way out
+            end = min(end, started + max_wait)
+        waiter = self._enter(workload, request.request_id, max(end - started, 0.0))
         try:
-            with anyio.CancelScope(shield=True):
-                cycle = await self._run(
-                    partial(
-                        self._cycle,
-                        enqueue=(waiter.entry_id, workload, request.request_id, wait),
-                        asked=[waiter.entry_id],
-                    ),
-                    retry=False,
-                )
-            waiter.queued = True
-            self._deliver(cycle.granted)
-            if waiter.lease is not None:
-                await checkpoint_if_cancelled()
-                return waiter.lease
-            if cycle.full:
-                queued = False
-                raise ConcurrencyQueueFullError(
-                    f"{cycle.queued} requests are already waiting "
-                    f"(max_queued={self._settings.max_queued})"
-                )
-            if wait > 0:
-                self._ensure_poller()
-                with anyio.move_on_after(wait):
+            await self.start()
+            while True:
+                self._wake_poller()
+                if waiter.wait > 0:
+                    with anyio.move_on_after(end - anyio.current_time()):
+                        await waiter.event.wait()
+                else:  # no time to wait: one allocation says whether a slot is free now
                     await waiter.event.wait()
-            if waiter.error is not None:
-                raise waiter.error
-            if waiter.lease is not None:
-                return waiter.lease
-            # The deadline passed: leave the queue, unless a slot was granted just before it.
-            self._waiters.pop(waiter.entry_id, None)
-            with anyio.CancelScope(shield=True):
-                lease, _ = await self._run(partial(self._withdraw, entry_id=waiter.entry_id))
-            queued = False
-            if lease is not None:
-                waiter.lease = lease
-                await checkpoint_if_cancelled()
-                return lease
-            raise wait_timeout(
-                anyio.current_time() - started,
-                max_wait,
-                max_wait is not None
-                and (request.deadline is None or started + max_wait <= request.deadline),
-            )
+                if waiter.error is not None:
+                    raise waiter.error
+                lease = waiter.lease
+                if lease is None:
+                    raise wait_timeout(
+                        anyio.current_time() - started,
+                        max_wait,
+                        max_wait is not None
+                        and (request.deadline is None or started + max_wait <= request.deadline),
+                    )
+                if self._offset is None or lease.expires_at - self._offset > anyio.current_time():
+                    return lease
+                # The lease ran out before this request resumed (its event loop stalled), and
+                # its slot may have gone to another: never enter on it. The request waits
+                # again, in the place it had in the queue.
+                self._abandoned[waiter.entry_id] = anyio.current_time()
+                waiter = self._enter(
+                    workload,
+                    request.request_id,
+                    max(end - anyio.current_time(), 0.0),
+                    since=waiter.since,
+                )
         except BaseException:
-            # Cancelled or failed: leave the queue and give back a slot granted in the same
-            # moment. A database that is down leaves the entry to go stale and the lease to
-            # expire; either way nothing stays held.
-            self._waiters.pop(waiter.entry_id, None)
-            if queued or waiter.lease is not None:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        if waiter.lease is not None:
-                            await self.release(waiter.lease)
-                        else:
-                            _, granted = await self._run(
-                                partial(self._withdraw, entry_id=waiter.entry_id, give_back=True)
-                            )
-                            self._deliver(granted)
-                    except Exception:
-                        _logger.warning(
-                            "slotwise: could not withdraw queue entry %s of limiter %r",
-                            waiter.entry_id,
-                            self.name,
-                            exc_info=True,
-                        )
+            self._abandon(waiter)
             raise
-        finally:
-            self._waiters.pop(waiter.entry_id, None)
+
+    def _enter(
+        self, workload: str, request_id: str, wait: float, since: datetime | None = None
+    ) -> _Waiter:
+        """Queue a request in this process, in call order (nothing awaits before this)."""
+        waiter = _Waiter(workload, request_id, wait, since)
+        self._waiters[waiter.entry_id] = waiter
+        self._pending[waiter.entry_id] = waiter
+        return waiter
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """A request ended without taking its lease: leave the queue, and give back a slot
+        granted to it, in the poller's next cycle (woken now)."""
+        self._waiters.pop(waiter.entry_id, None)
+        if self._pending.pop(waiter.entry_id, None) is not None or waiter.refused:
+            return  # it never reached the database, or its entry is already gone
+        self._abandoned[waiter.entry_id] = anyio.current_time()
+        self._wake_poller()
 
     async def renew(self, lease: SupportsLease) -> Lease | None:
         """Extend a lease by ``lease_ttl`` on the database clock; None when it is gone."""
@@ -454,7 +573,11 @@ class PostgresLimiter(BuiltinLimiter[W]):
         return Lease(lease_id=lease.lease_id, workload=row[0], expires_at=float(row[1]))
 
     async def release(self, lease: SupportsLease) -> None:
-        """Give a slot back and grant what it frees to the waiters. Idempotent."""
+        """Give a slot back and grant what it frees to the waiters. Idempotent.
+
+        Works whatever limits are stored now: a lease taken under limits that another
+        process replaced is released all the same.
+        """
         await self.start()
         if _is_uuid(lease.lease_id):
             cycle = await self._run(partial(self._cycle, release=lease.lease_id))
@@ -468,44 +591,103 @@ class PostgresLimiter(BuiltinLimiter[W]):
         if self._listen and (self._listener is None or self._listener.done()):
             self._listener = asyncio.get_running_loop().create_task(self._listen_loop())
 
-    async def _poll_loop(self) -> None:
-        # Full allocation cycles every poll_interval (they also sweep dead processes'
-        # leases and entries, and refresh this process's entries); in between, a
-        # notification that another process granted us a slot triggers a lock-free read.
-        interval = min(self.poll_interval, self._queue_entry_ttl / 3)
-        next_cycle = anyio.current_time() + interval
-        self._kick = anyio.Event()
-        while self._waiters:
-            with anyio.move_on_after(max(next_cycle - anyio.current_time(), 0)):
-                await self._kick.wait()
-            # A notification that arrives from now on is seen by the next round.
-            self._kick = anyio.Event()
-            asked = list(self._waiters)
-            try:
-                if anyio.current_time() >= next_cycle:
-                    next_cycle = anyio.current_time() + interval
-                    await self._poll_cycle(asked)
-                else:
-                    granted = await self._run(partial(self._fetch, asked=asked))
-                    self._deliver(granted)
-            except Exception as exc:
-                # Fail closed: every local waiter raises (the runtime reports a limiter error).
-                for entry_id in asked:
-                    waiter = self._waiters.pop(entry_id, None)
-                    if waiter is not None:
-                        waiter.error = exc
-                        waiter.event.set()
-        self._kick = None
+    def _wake_poller(self) -> None:
+        self._ensure_poller()
+        if self._kick is not None:
+            self._kick.set()
 
-    async def _poll_cycle(self, asked: list[str]) -> None:
+    async def _poll_loop(self) -> None:
+        # The one task that talks to the database for this process's waiting requests (they
+        # only wait for its answers, so their deadlines and cancellations hold whatever the
+        # database does). A full allocation cycle runs when requests are to be enqueued (in
+        # arrival order, as one batch) or withdrawn, and every poll_interval (it also sweeps
+        # dead processes' leases and entries, and says that this process is alive); in
+        # between, a notification that another process granted us a slot triggers a
+        # lock-free read.
+        interval = min(self.poll_interval, self._queue_entry_ttl / 3)
+        next_cycle = anyio.current_time()
+        self._kick = anyio.Event()
+        self._rounds = anyio.Event()
+        try:
+            while self._waiters or self._abandoned:
+                if not self._pending and not self._abandoned:
+                    with anyio.move_on_after(max(next_cycle - anyio.current_time(), 0)):
+                        await self._kick.wait()
+                # A notification that arrives from now on is seen by the next round.
+                self._kick = anyio.Event()
+                batch = list(self._pending.values())
+                self._pending.clear()
+                withdraw = self._withdrawals()
+                # Entries enqueued by earlier rounds: committed before this round began.
+                asked = list(self._waiters.keys() - {waiter.entry_id for waiter in batch})
+                try:
+                    if batch or withdraw or anyio.current_time() >= next_cycle:
+                        next_cycle = anyio.current_time() + interval
+                        await self._poll_cycle(batch, withdraw, asked)
+                    else:
+                        self._deliver(await self._run(partial(self._fetch, asked=asked)))
+                except Exception as exc:
+                    # Fail closed: every local waiter raises (the runtime reports a limiter
+                    # error); the entries of this batch may exist: their requests withdraw them.
+                    for entry_id in [*asked, *(waiter.entry_id for waiter in batch)]:
+                        waiter = self._waiters.pop(entry_id, None)
+                        if waiter is not None:
+                            waiter.error = exc
+                            waiter.event.set()
+                    if withdraw:
+                        await anyio.sleep(interval)  # to try them again, not in a tight loop
+                rounds, self._rounds = self._rounds, anyio.Event()
+                rounds.set()
+        finally:
+            self._kick = None
+            if self._rounds is not None:
+                self._rounds.set()
+                self._rounds = None
+
+    def _withdrawals(self) -> list[str]:
+        """The abandoned entries to withdraw now; those old enough to have gone stale, and
+        whose slot has expired, are forgotten (the database dropped them by itself)."""
+        horizon = anyio.current_time() - self._queue_entry_ttl - self.lease_ttl
+        for entry_id, since in list(self._abandoned.items()):
+            if since < horizon:
+                del self._abandoned[entry_id]
+        return list(self._abandoned)
+
+    async def _poll_cycle(
+        self, batch: list[_Waiter], withdraw: list[str], asked: list[str]
+    ) -> None:
         beat = anyio.current_time() - self._beat_at >= self._queue_entry_ttl / 3
-        # Entries committed before this cycle began are in its snapshot: if one is neither
-        # queued nor granted there, it was dropped. (A newer one may simply not be visible.)
-        committed = [entry_id for entry_id in asked if self._waiters[entry_id].queued]
-        cycle = await self._run(partial(self._cycle, asked=asked, heartbeat=beat))
+        cycle = await self._run(
+            partial(
+                self._cycle,
+                enqueue=batch,
+                withdraw=withdraw,
+                asked=asked,
+                heartbeat=beat,
+                alive=True,
+            ),
+            retry=not batch,
+        )
         if beat:
             self._beat_at = anyio.current_time()
-        self._deliver(cycle.granted, cycle.present, committed)
+        for entry_id in withdraw:
+            self._abandoned.pop(entry_id, None)
+        for waiter in batch:
+            waiter.since = cycle.since.get(waiter.entry_id)
+            refused = cycle.refused.get(waiter.entry_id)
+            if refused is not None and self._waiters.pop(waiter.entry_id, None) is not None:
+                waiter.refused = True
+                if refused == "full":
+                    waiter.error = ConcurrencyQueueFullError(
+                        f"{cycle.queued} requests are already waiting "
+                        f"(max_queued={self._settings.max_queued})"
+                    )
+                waiter.event.set()
+        if cycle.error is not None:
+            raise cycle.error
+        # Entries committed before this cycle began are in its snapshot: if one is neither
+        # queued nor granted there, it was dropped.
+        self._deliver(cycle.granted, cycle.present, asked)
 
     def _deliver(
         self,
@@ -544,11 +726,15 @@ class PostgresLimiter(BuiltinLimiter[W]):
             )
             kwargs = dict(kwargs or {})
         kwargs["autocommit"] = True
+        # It waits in silence for hours: TCP keepalive notices a peer gone without a word.
+        given = {**psycopg.conninfo.conninfo_to_dict(conninfo), **kwargs}
+        kwargs.update({key: value for key, value in _KEEPALIVE.items() if key not in given})
         delay = self.poll_interval
         while True:
             try:
                 conn = await psycopg.AsyncConnection.connect(conninfo, **kwargs)
                 async with conn:
+                    self._listening = conn
                     await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
                     delay = self.poll_interval
                     # Grants made before LISTEN took effect sent no notification here: a
@@ -559,61 +745,111 @@ class PostgresLimiter(BuiltinLimiter[W]):
                         self._notified(note.payload)
             except Exception:
                 _logger.debug("slotwise: listener of %r failed", self.name, exc_info=True)
+            finally:
+                self._listening = None
             await anyio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
     def _notified(self, payload: str) -> None:
-        """A notification: grants made by another process (delivered at once: NOTIFY is
-        sent at commit), or, for a long list, the owners that should poll now."""
+        """A notification: another process granted slots to these owners (``"*"``: to
+        owners too many to list), sent at its commit. Any role may send one: it only makes
+        the poller read this process's grants from the database now, never a grant itself."""
         try:
             message = json.loads(payload)
         except ValueError:
             return
-        grants = message.get("g") if isinstance(message, dict) else None
-        if isinstance(grants, list):
-            self._deliver(
-                {
-                    entry_id: Lease(lease_id=lease_id, workload=workload, expires_at=expires)
-                    for owner, entry_id, lease_id, workload, expires in grants
-                    if owner == self._owner
-                }
-            )
-            return
         owners = message.get("k") if isinstance(message, dict) else None
-        if (owners == "*" or self._owner in (owners or ())) and self._kick is not None:
+        if owners != "*" and not (isinstance(owners, list) and self._owner in owners):
+            return
+        if self._kick is not None:
             self._kick.set()
 
     # -- transactions ---------------------------------------------------------------------
 
     async def _run(self, body: Callable[[Conn], Awaitable[T]], *, retry: bool = True) -> T:
-        """Run ``body`` in one transaction on a pooled connection.
+        """Run ``body`` in one transaction on a pooled connection, in a task of its own.
+
+        The caller waits for it, and may be cancelled meanwhile: the transaction goes on to
+        its end (a query interrupted midway would leave its connection in an unknown state,
+        and psycopg would warn), so nothing it began is left half done. Every step is bounded
+        by ``db_timeout`` (see _transaction); the caller waits three times that at most.
+        """
+        task = asyncio.get_running_loop().create_task(self._transaction(body, retry))
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+        bound = 3 * self.db_timeout
+        with anyio.move_on_after(bound):
+            return await asyncio.shield(task)
+        raise TimeoutError(f"the database did not answer within {bound:g}s (3 x db_timeout)")
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: its caller may have stopped waiting for it
+
+    async def _transaction(self, body: Callable[[Conn], Awaitable[T]], retry: bool) -> T:
+        """One transaction: a connection within ``db_timeout``, then the body under a
+        ``lock_timeout`` and a ``statement_timeout`` of ``db_timeout``.
 
         A connection that turns out broken before anything was committed (the pool handed
         out a connection the server has since closed) is retried on another; after a server
         restart every pooled connection may be broken, so up to the pool's size plus one
         attempts are made. ``retry`` also allows a retry after commit was attempted
-        (idempotent bodies).
+        (idempotent bodies). Any other failure (a timeout included) is raised at once.
         """
         attempts = self._pool.max_size + 1
+        bound = f"{max(1, round(self.db_timeout * 1000))}ms"
         for attempt in range(1, attempts + 1):
             committing = False
+            conn: Conn | None = None
             try:
-                async with self._pool.connection() as conn, conn.pipeline(), conn.transaction():
+                async with (
+                    self._pool.connection(timeout=self.db_timeout) as conn,
+                    conn.pipeline(),
+                    conn.transaction(),
+                ):
+                    await conn.execute(self._q.timeouts, [bound, bound], prepare=False)
                     if not self.synchronous_commit:
                         await conn.execute("SET LOCAL synchronous_commit = off", prepare=False)
                     result = await body(conn)
                     committing = True
                 return result
+            except PoolTimeout as exc:
+                raise await self._unreachable(exc) from None
             except psycopg.OperationalError:
-                if attempt == attempts or (committing and not retry):
+                broken = conn is not None and conn.broken
+                if attempt == attempts or (committing and not retry) or not broken:
                     raise
         raise AssertionError("unreachable")
+
+    async def _unreachable(self, exc: PoolTimeout) -> PoolTimeout:
+        """No connection came within ``db_timeout``: say why (a connection of our own tells
+        whether the database refuses, or the pool's connections are all held)."""
+        cause: BaseException
+        try:
+            conninfo = await _resolve(self._pool.conninfo)
+            kwargs = dict(await _resolve(self._pool.kwargs) or {})
+            with anyio.fail_after(self.db_timeout):
+                probe = await psycopg.AsyncConnection.connect(conninfo, **kwargs)
+            await probe.close()
+        except (psycopg.Error, OSError, TimeoutError) as error:
+            cause = error
+            what = f"no connection to the database within db_timeout={self.db_timeout:g}s: {error}"
+        else:
+            cause = exc
+            what = (
+                f"no free connection in the pool within db_timeout={self.db_timeout:g}s "
+                f"(max_size={self._pool.max_size}): its connections are all in use"
+            )
+        timeout = PoolTimeout(what)
+        timeout.__cause__ = cause
+        return timeout
 
     async def _create_schema(self, conn: Conn) -> None:
         # Many workers may start at once on a new database: the advisory lock (released at
         # commit, so it works through PgBouncer) lets one create the tables at a time.
         cur = await conn.execute(
-            "SELECT to_regclass(%s) IS NOT NULL", [f"{_quote(self.schema)}.leases"], prepare=False
+            "SELECT to_regclass(%s) IS NOT NULL", [f"{_quote(self.schema)}.owners"], prepare=False
         )
         row = await cur.fetchone()
         if row is not None and row[0]:
@@ -648,10 +884,12 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self,
         conn: Conn,
         *,
-        enqueue: tuple[str, str, str, float] | None = None,
+        enqueue: Sequence[_Waiter] = (),
+        withdraw: Sequence[str] = (),
         release: str | None = None,
         asked: list[str] | None = None,
         heartbeat: bool = False,
+        alive: bool = False,
     ) -> _Cycle:
         """One allocation: lock, sweep, load, ``allocate``, grant; inside the caller's
         transaction.
@@ -660,9 +898,14 @@ class PostgresLimiter(BuiltinLimiter[W]):
         own statement (a concurrent renewal either committed before it, and the lease
         survives, or finds the row gone), and only then is the snapshot loaded, in a new
         statement that sees everything committed before the lock was granted.
+
+        ``enqueue`` joins the queue in that order; ``withdraw`` leaves it, giving back any
+        slot granted to those entries; ``alive`` says that this process still waits for
+        its entries (the poller says so at every cycle).
         """
         q = self._q
         name = self.name
+        began = anyio.current_time()  # before the database reads its clock (see _offset)
         # In pipeline mode (see _run) everything up to the load's fetch is one round trip.
         locked = await conn.execute(q.lock_limiter, [self._settings_json, name], prepare=False)
         await conn.execute(
@@ -671,22 +914,27 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 "name": name,
                 "owner": self._owner,
                 "release": release,
+                "withdraw": list(withdraw),
                 "beat": heartbeat,
+                "asked": asked or [],
                 "entry_ttl": self._queue_entry_ttl,
             },
             prepare=False,
         )
-        if enqueue is not None:
-            entry_id, workload, request_id, wait = enqueue
-            await conn.execute(
+        if alive or enqueue:
+            await conn.execute(q.alive, [self._owner, self._alive_for()], prepare=False)
+        enqueued = None
+        if enqueue:
+            enqueued = await conn.execute(
                 q.enqueue,
                 {
-                    "entry_id": entry_id,
+                    "entries": [w.entry_id for w in enqueue],
+                    "workloads": [w.workload for w in enqueue],
+                    "request_ids": [w.request_id for w in enqueue],
+                    "waits": [None if w.wait > _MAX_SECONDS else w.wait for w in enqueue],
+                    "since": [w.since for w in enqueue],
                     "name": name,
-                    "workload": workload,
                     "owner": self._owner,
-                    "request_id": request_id,
-                    "wait": None if math.isinf(wait) else wait,
                     "entry_ttl": self._queue_entry_ttl,
                     "lease_ttl": self._settings.lease_ttl,
                 },
@@ -696,22 +944,44 @@ class PostgresLimiter(BuiltinLimiter[W]):
             q.load,
             {
                 "name": name,
+                "owner": self._owner,
                 "heads": self._settings.max_concurrent,
                 "asked": asked or [],
                 # A request enqueued now may take a free slot even with no time to wait.
-                "fresh": None if enqueue is None else enqueue[0],
+                "fresh": [w.entry_id for w in enqueue],
             },
             prepare=False,
         )
-        self._check_lock(await locked.fetchone())
+        row = await locked.fetchone()
+        if row is not None and not row[0] and (release is not None or withdraw):
+            # Another process stored other limits: allocating with ours would break theirs,
+            # but the lease released and the entries withdrawn above go all the same.
+            try:
+                self._check_lock(row)
+            except ConcurrencyConfigError as exc:
+                return _Cycle(granted={}, present=frozenset(), queued=0, error=exc)
+        self._check_lock(row)
+        since = (
+            {str(entry_id): at for entry_id, at in await enqueued.fetchall()} if enqueued else {}
+        )
         loaded = await cur.fetchone()
         assert loaded is not None
         active_rows, queued, head_rows, mine_rows, present_rows, now = loaded
+        self._offset = now - began
         rules = self._settings.rules
-        active = {w: n for w, n in (active_rows or {}).items() if w in rules.workloads}
+        active = dict(active_rows or {})
+        retired = {w for w, n in active.items() if n and w not in rules.workloads}
+        if retired:
+            # Leases of a workload these limits do not have (another process had other
+            # limits, then on_conflict="replace"): each counts until released or expired,
+            # as a workload that can take nothing more.
+            none = WorkloadRule(ceiling=0, reserved=0, priority=0)
+            rules = attrs.evolve(
+                rules, workloads={**rules.workloads, **dict.fromkeys(retired, none)}
+            )
         queues: dict[str, list[_Entry]] = {}
         for entry_id, workload, micros, seq, owner in head_rows or []:
-            if workload in rules.workloads:
+            if workload in self._settings.rules.workloads:
                 queues.setdefault(workload, []).append(
                     _Entry(entry_id=entry_id, workload=workload, key=(micros, seq), owner=owner)
                 )
@@ -720,18 +990,26 @@ class PostgresLimiter(BuiltinLimiter[W]):
             entry_id: Lease(lease_id=lease_id, workload=workload, expires_at=float(expires))
             for entry_id, lease_id, workload, expires in mine_rows or []
         }
-        full = False
-        if enqueue is not None and enqueue[0] not in {e.entry_id for e in grants}:
-            # Not granted now: it waits, unless the queue is full or it may not wait.
-            waiting_before = queued - 1
+        refused: dict[str, str] = {}
+        if enqueue:
+            # Those not granted now wait, unless the queue is full or they may not wait.
+            chosen = {e.entry_id for e in grants}
+            waiting = [w for w in enqueue if w.entry_id not in chosen]
+            others = queued - len(grants) - len(waiting)  # waiting before this batch
             maximum = self._settings.max_queued
-            if (maximum is not None and waiting_before >= maximum) or enqueue[3] <= 0:
-                full = maximum is not None and waiting_before >= maximum
-                await conn.execute(q.drop_entry, [enqueue[0]], prepare=False)
-                queued -= 1
+            for waiter in waiting:
+                if waiter.wait <= 0:
+                    refused[waiter.entry_id] = "no-wait"
+                elif maximum is not None and others >= maximum:
+                    refused[waiter.entry_id] = "full"
+                else:
+                    others += 1
+            if refused:
+                await conn.execute(q.drop_entries, [list(refused)], prepare=False)
+                queued -= len(refused)
         if grants:
             # Not fetched: the grant, its notification and the commit go in one round trip.
-            # The other processes learn their grants from the notification (sent at commit).
+            # The other processes learn from the notification (sent at commit) to look.
             lease_ids = [str(uuid.uuid4()) for _ in grants]
             await conn.execute(
                 q.grant,
@@ -757,16 +1035,15 @@ class PostgresLimiter(BuiltinLimiter[W]):
             granted=granted,
             present=frozenset(str(e) for e in present_rows or []),
             queued=queued,
-            full=full,
+            refused=refused,
+            since=since,
         )
 
-    async def _lock(self, conn: Conn) -> None:
-        """Take the limiter's row lock (again, harmlessly, if this transaction has it) and
-        check that the stored limits are still this process's."""
-        cur = await conn.execute(
-            self._q.lock_limiter, [self._settings_json, self.name], prepare=False
-        )
-        self._check_lock(await cur.fetchone())
+    def _alive_for(self) -> float:
+        """Seconds this process's entries stay grantable after its poller last said it
+        waits: five poll rounds, and at least a second (a short stall of its event loop only
+        defers its grants; its entries keep their places)."""
+        return max(1.0, 5 * min(self.poll_interval, self._queue_entry_ttl / 3))
 
     def _check_lock(self, row: tuple[Any, ...] | None) -> None:
         if row is None:
@@ -780,28 +1057,15 @@ class PostgresLimiter(BuiltinLimiter[W]):
             )
 
     async def _fetch(self, conn: Conn, *, asked: list[str]) -> dict[str, Lease]:
+        began = anyio.current_time()
         cur = await conn.execute(self._q.fetch_mine, [asked], prepare=False)
-        return {
-            str(entry_id): Lease(lease_id=str(lease_id), workload=workload, expires_at=expires)
-            for entry_id, lease_id, workload, expires in await cur.fetchall()
-        }
-
-    async def _withdraw(
-        self, conn: Conn, *, entry_id: str, give_back: bool = False
-    ) -> tuple[Lease | None, Mapping[str, Lease]]:
-        """Leave the queue. A slot granted to the entry meanwhile is returned, or with
-        ``give_back`` released by a full allocation cycle, so it goes to the next waiter
-        (whose grants are returned too, to deliver after the commit)."""
-        if give_back:
-            # Lock order: the limiter row before any queue row (as every allocation does).
-            await self._lock(conn)
-        await conn.execute(self._q.drop_entry, [entry_id], prepare=False)
-        granted = await self._fetch(conn, asked=[entry_id])
-        lease = granted.get(entry_id)
-        if lease is None or not give_back:
-            return lease, {}
-        cycle = await self._cycle(conn, release=lease.lease_id)
-        return None, cycle.granted
+        granted = {}
+        for entry_id, lease_id, workload, expires, now in await cur.fetchall():
+            self._offset = now - began
+            granted[str(entry_id)] = Lease(
+                lease_id=str(lease_id), workload=workload, expires_at=expires
+            )
+        return granted
 
     async def _renew(self, conn: Conn, *, lease_id: str) -> tuple[str, float] | None:
         cur = await conn.execute(
@@ -889,7 +1153,8 @@ class _Queries:
     """The statements, with the schema quoted in; every value is a bound parameter."""
 
     __slots__ = (
-        "drop_entry",
+        "alive",
+        "drop_entries",
         "enqueue",
         "fetch_mine",
         "grant",
@@ -900,6 +1165,7 @@ class _Queries:
         "replace_limits",
         "stats",
         "sweep",
+        "timeouts",
     )
 
     def __init__(self, schema: str) -> None:
@@ -917,51 +1183,75 @@ class _Queries:
             "UPDATE {s}.limiters SET settings = %s::jsonb, updated_at = clock_timestamp() "
             "WHERE name = %s"
         )
+        self.timeouts = q(
+            "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)"
+        )
         # Expired leases (and the one being released) go; so do other processes' entries
-        # that are stale or past their deadline. This process's own entries are refreshed.
+        # that are stale or past their deadline, and this process's withdrawn entries with
+        # any slot granted to them. The entries this process still waits for are refreshed.
         self.sweep = q(
             """
             WITH gone AS (
                 DELETE FROM {s}.leases
                 WHERE limiter = %(name)s
-                  AND (expires_at <= clock_timestamp() OR lease_id = %(release)s::uuid)
+                  AND (expires_at <= clock_timestamp() OR lease_id = %(release)s::uuid
+                       OR (entry_id = ANY(%(withdraw)s::uuid[]) AND owner = %(owner)s::uuid))
                 RETURNING 1
             ), stale AS (
                 DELETE FROM {s}.queue
-                WHERE limiter = %(name)s AND owner <> %(owner)s::uuid
-                  AND (stale_at <= clock_timestamp() OR deadline <= clock_timestamp())
+                WHERE limiter = %(name)s
+                  AND ((owner <> %(owner)s::uuid
+                        AND (stale_at <= clock_timestamp() OR deadline <= clock_timestamp()))
+                       OR (entry_id = ANY(%(withdraw)s::uuid[]) AND owner = %(owner)s::uuid))
                 RETURNING 1
             ), beat AS (
                 UPDATE {s}.queue
                 SET stale_at = clock_timestamp() + make_interval(secs => %(entry_ttl)s)
-                WHERE %(beat)s AND limiter = %(name)s AND owner = %(owner)s::uuid
+                WHERE %(beat)s AND entry_id = ANY(%(asked)s::uuid[]) AND owner = %(owner)s::uuid
+                RETURNING 1
+            ), dead AS (
+                DELETE FROM {s}.owners
+                WHERE %(beat)s AND alive_until < clock_timestamp() - interval '1 hour'
                 RETURNING 1
             )
             SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM stale),
-                   (SELECT count(*) FROM beat)
+                   (SELECT count(*) FROM beat), (SELECT count(*) FROM dead)
             """
         )
+        self.alive = q(
+            "INSERT INTO {s}.owners (owner, alive_until) "
+            "VALUES (%s, clock_timestamp() + make_interval(secs => %s)) "
+            "ON CONFLICT (owner) DO UPDATE SET alive_until = EXCLUDED.alive_until"
+        )
+        # A batch, in its order; an entry queued again keeps its enqueued_at (`since`).
         self.enqueue = q(
             """
             INSERT INTO {s}.queue (entry_id, limiter, workload, owner, request_id,
                                    enqueued_at, deadline, stale_at, lease_ttl)
-            VALUES (%(entry_id)s, %(name)s, %(workload)s, %(owner)s, %(request_id)s,
-                    clock_timestamp(),
-                    clock_timestamp() + make_interval(secs => %(wait)s),
-                    clock_timestamp() + make_interval(secs => %(entry_ttl)s),
-                    %(lease_ttl)s)
+            SELECT e.entry_id, %(name)s, e.workload, %(owner)s, e.request_id,
+                   coalesce(e.since, clock_timestamp()),
+                   clock_timestamp() + make_interval(secs => e.wait),
+                   clock_timestamp() + make_interval(secs => %(entry_ttl)s),
+                   %(lease_ttl)s
+            FROM unnest(%(entries)s::uuid[], %(workloads)s::text[], %(request_ids)s::text[],
+                        %(waits)s::float8[], %(since)s::timestamptz[]) WITH ORDINALITY
+                 AS e(entry_id, workload, request_id, wait, since, n)
+            ORDER BY e.n
+            RETURNING entry_id::text, enqueued_at
             """
         )
         # The snapshot the allocation needs: active leases per workload, the number of live
         # entries, the first max_concurrent live entries of each workload (no more can be
-        # granted at once), and the leases already granted to the entries asked about.
+        # granted at once) among those of processes that still say they wait (a process
+        # that died is granted nothing more), and the leases already granted to the entries
+        # asked about.
         self.load = q(
             """
             WITH live AS (
                 SELECT entry_id, workload, enqueued_at, seq, owner FROM {s}.queue
                 WHERE limiter = %(name)s AND stale_at > clock_timestamp()
                   AND (deadline IS NULL OR deadline > clock_timestamp()
-                       OR entry_id = %(fresh)s::uuid)
+                       OR entry_id = ANY(%(fresh)s::uuid[]))
             )
             SELECT
                 (SELECT json_object_agg(workload, n) FROM (
@@ -974,7 +1264,10 @@ class _Queries:
                               (extract(epoch FROM enqueued_at) * 1000000)::bigint AS micros,
                               row_number() OVER (PARTITION BY workload
                                                  ORDER BY enqueued_at, seq) AS rank
-                       FROM live) h
+                       FROM live
+                       WHERE owner = %(owner)s::uuid OR owner IN (
+                           SELECT owner FROM {s}.owners
+                           WHERE alive_until > clock_timestamp())) h
                  WHERE rank <= %(heads)s),
                 (SELECT json_agg(json_build_array(entry_id, lease_id, workload,
                                                   extract(epoch FROM expires_at)))
@@ -985,7 +1278,7 @@ class _Queries:
                 extract(epoch FROM clock_timestamp())::float8
             """
         )
-        self.drop_entry = q("DELETE FROM {s}.queue WHERE entry_id = %s")
+        self.drop_entries = q("DELETE FROM {s}.queue WHERE entry_id = ANY(%s::uuid[])")
         self.grant = q(
             """
             WITH g AS (
@@ -1004,24 +1297,22 @@ class _Queries:
                 FROM d
                 RETURNING entry_id, lease_id, workload, owner, expires_at
             ), n AS (
-                -- The grants of other processes, for their listeners; a payload must stay
-                -- under 8000 bytes, so a long one shrinks to "poll now" for those owners.
-                SELECT json_build_object('g', json_agg(json_build_array(
-                           owner, entry_id, lease_id, workload,
-                           extract(epoch FROM expires_at)::float8)))::text AS grants,
-                       json_build_object('k', json_agg(DISTINCT owner))::text AS owners
+                -- The other processes granted a slot, for their listeners: "look now", never
+                -- what was granted (any role may send a notification). A payload must stay
+                -- under 8000 bytes, so a long list becomes "everyone look".
+                SELECT json_build_object('k', json_agg(DISTINCT owner))::text AS owners
                 FROM i WHERE owner <> %(owner)s::uuid
                 HAVING count(*) > 0
             )
-            SELECT pg_notify(%(channel)s, CASE WHEN length(grants) < 7900 THEN grants
-                                               WHEN length(owners) < 7900 THEN owners
+            SELECT pg_notify(%(channel)s, CASE WHEN octet_length(owners) < 7900 THEN owners
                                                ELSE '{{"k": "*"}}' END)
             FROM n
             """
         )
         self.fetch_mine = q(
             "SELECT entry_id::text, lease_id::text, workload, "
-            "extract(epoch FROM expires_at)::float8 FROM {s}.leases "
+            "extract(epoch FROM expires_at)::float8, "
+            "extract(epoch FROM clock_timestamp())::float8 FROM {s}.leases "
             "WHERE entry_id = ANY(%s::uuid[]) AND expires_at > clock_timestamp()"
         )
         self.renew = q(

@@ -12,6 +12,9 @@ __all__ = ("channel_name", "schema_ddl", "schema_sql")
 #   queue     waiting requests. ``stale_at`` is pushed forward by the waiting process; a dead
 #             process's entries pass it and are swept. ``deadline`` is on the database clock.
 #   leases    granted slots, valid until ``expires_at`` (database clock) unless renewed.
+#   owners    one row per waiting process (limiter object): its queue entries are granted
+#             only while ``alive_until`` is ahead, which its poller pushes forward at every
+#             cycle, so a process that died stops receiving slots at once.
 _DDL = """\
 CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE TABLE IF NOT EXISTS {schema}.limiters (
@@ -45,6 +48,10 @@ CREATE TABLE IF NOT EXISTS {schema}.leases (
 );
 CREATE INDEX IF NOT EXISTS leases_by_limiter ON {schema}.leases (limiter, expires_at);
 CREATE INDEX IF NOT EXISTS leases_by_entry ON {schema}.leases (entry_id);
+CREATE TABLE IF NOT EXISTS {schema}.owners (
+    owner uuid PRIMARY KEY,
+    alive_until timestamptz NOT NULL
+);
 """
 
 
