@@ -6,9 +6,11 @@ PostgresLimiter is asyncio-only, so these tests run on asyncio (the conftest ove
 
 from __future__ import annotations
 
+import logging
 import random
 import subprocess
 import sys
+import uuid
 from typing import Any
 
 import anyio
@@ -401,3 +403,179 @@ async def eventually_queued(limiter: PostgresLimiter[Any]) -> None:
             if await queued(limiter, 1):
                 return
             await anyio.sleep(0.01)
+
+
+# -- the database slow, blocked or gone ----------------------------------------------------
+
+
+def causes(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None:
+        chain.append(current)
+        current = current.__cause__
+    return chain
+
+
+async def test_a_refused_database_fails_closed_within_db_timeout(schema: str) -> None:
+    # Port 1 refuses at once: the request fails within a bound set by db_timeout (it used
+    # to retry a 30 s pool timeout five times), naming the refusal.
+    limiter: PostgresLimiter[Any] = PostgresLimiter(
+        "postgresql://postgres@127.0.0.1:1/test?connect_timeout=2",
+        schema=schema,
+        max_concurrent=1,
+        db_timeout=1.0,
+    )
+    try:
+        with anyio.fail_after(15), pytest.raises(slotwise.ConcurrencyLimiterError) as info:
+            async with limiter.slot():
+                pytest.fail("the body must not run")
+        chain = causes(info.value)
+        assert any(isinstance(exc, psycopg.OperationalError) for exc in chain[1:]), chain
+        assert "refused" in str(info.value).lower() or "failed" in str(info.value).lower()
+    finally:
+        await limiter.aclose()
+
+
+async def test_an_exhausted_pool_fails_closed_within_db_timeout(make: Any, tagged_dsn: str) -> None:
+    # Every connection of the caller's pool is held elsewhere: waiting for one is bounded by
+    # db_timeout, not by the pool's own timeout (here 10 s) times the retries.
+    async with AsyncConnectionPool(
+        tagged_dsn, min_size=1, max_size=1, timeout=10, kwargs={"autocommit": True}
+    ) as pool:
+        limiter = make(conninfo=pool, max_concurrent=1, db_timeout=0.5)
+        await limiter.start()
+        async with pool.connection():  # the pool's only connection, held
+            with anyio.fail_after(8), pytest.raises(slotwise.ConcurrencyLimiterError) as info:
+                async with limiter.slot():
+                    pytest.fail("the body must not run")
+        assert "no free connection in the pool" in str(info.value)
+        async with limiter.slot():  # and it works again once a connection is free
+            pass
+
+
+async def test_a_stalled_lock_holder_bounds_release_and_acquire_keeps_its_deadline(
+    make: Any, dsn: str, schema: str
+) -> None:
+    # Another process stalled while it held the limiter's row lock: a request with a 0.5 s
+    # deadline ends at it, and a release gives up after db_timeout (the lease expires by
+    # itself), instead of both waiting for the stall to end.
+    limiter = make(max_concurrent=1, db_timeout=1.0)
+    held = await limiter.acquire(request())
+    async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.transaction():
+        await conn.execute(f'SELECT 1 FROM "{schema}".limiters FOR UPDATE'.encode())
+        started = anyio.current_time()
+        with anyio.fail_after(4), pytest.raises(slotwise.ConcurrencyTimeoutError):
+            await limiter.acquire(request(deadline=started + 0.5))
+        with anyio.fail_after(6), pytest.raises(psycopg.OperationalError):
+            await limiter.release(held)
+    await limiter.release(held)
+    stats = await limiter.stats()
+    assert (stats.active, stats.queued) == (0, 0)
+
+
+async def test_cancelled_waits_print_no_warnings_and_normal_use_logs_nothing(
+    make: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    caplog.set_level(logging.DEBUG, logger="slotwise")
+    limiter = make(max_concurrent=2)
+    rng = random.Random(3)
+
+    async def one() -> None:
+        with anyio.move_on_after(rng.uniform(0, 0.05)):
+            async with limiter.slot():
+                await anyio.sleep(rng.uniform(0, 0.02))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(60):
+            tg.start_soon(one)
+    stats = await limiter.stats()
+    assert (stats.active, stats.queued) == (0, 0)
+    await limiter.aclose()
+    assert [record.getMessage() for record in caplog.records] == []
+
+
+# -- the database's limits on what it is given ---------------------------------------------
+
+
+async def test_a_long_multibyte_grant_list_never_fails_an_allocation(
+    make: Any, eventually: Any
+) -> None:
+    # One cycle grants 35 slots to another process's requests of a workload whose name is
+    # 60 Japanese characters (180 bytes): the notification must not fail the allocation.
+    workload = "日本語のワークロード" * 6
+    limits: dict[str, Any] = {
+        "max_concurrent": 35,
+        "workloads": {workload: Workload()},
+        "queue_entry_ttl": 120,
+    }
+    holder = make(**limits, lease_ttl=1.0)
+    waiting = make(**limits, poll_interval=30.0)  # grants reach it by notification only
+    releaser = make(**limits)
+    for _ in range(35):
+        await holder.acquire(request(workload))  # never renewed: they expire together
+    got: list[Any] = []
+
+    async def wait() -> None:
+        got.append(await waiting.acquire(request(workload)))
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for _ in range(35):
+                tg.start_soon(wait)
+            await eventually(lambda: queued(releaser, 35))
+            await anyio.sleep(1.2)  # the holder's leases expire
+            # One cycle of another process grants all 35 (and notifies the waiting one).
+            await releaser.release(
+                slotwise.Lease(lease_id=str(uuid.uuid4()), workload=workload, expires_at=0.0)
+            )
+    assert len(got) == 35
+    assert (await releaser.stats()).active == 35
+
+
+async def test_huge_ttls_are_refused_and_huge_waits_wait(make: Any, eventually: Any) -> None:
+    for setting in ("lease_ttl", "queue_entry_ttl"):
+        with pytest.raises(slotwise.ConcurrencyConfigError, match=setting):
+            make(max_concurrent=1, **{setting: 1e13})
+    limiter = make(max_concurrent=1, workloads={"default": Workload(max_wait=1e13)})
+    held = await limiter.acquire(request())
+    far = anyio.current_time() + 1e13
+    with anyio.move_on_after(1) as waited:  # it waits, instead of failing
+        await limiter.acquire(request(deadline=far))
+    assert waited.cancelled_caught
+    got: list[Any] = []
+
+    async def wait() -> None:
+        got.append(await limiter.acquire(request(deadline=far)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        await eventually(lambda: queued(limiter, 1))
+        await limiter.release(held)
+    assert len(got) == 1
+    await limiter.release(got[0])
+
+
+# -- limits replaced while leases are held --------------------------------------------------
+
+
+async def test_replaced_limits_count_every_held_lease_and_old_holders_release(
+    make: Any,
+) -> None:
+    old = make(max_concurrent=4, workloads={"old": Workload()})
+    held = [await old.acquire(request("old")) for _ in range(4)]
+    new = make(max_concurrent=2, workloads={"new": Workload(max_wait=0.3)}, on_conflict="replace")
+    # The 4 old leases still run: nothing is granted under max_concurrent=2.
+    with pytest.raises(slotwise.ConcurrencyTimeoutError):
+        async with new.slot("new"):
+            pytest.fail("4 leases are held: no slot of 2 is free")
+    for lease in held[:3]:
+        await old.release(lease)  # the old holder can still release under the new limits
+    async with new.slot("new"):  # one old lease is left: one slot is free, not two
+        with pytest.raises(slotwise.ConcurrencyTimeoutError):
+            async with new.slot("new", allow_nested=True):
+                pytest.fail("an old lease and this slot hold both slots")
+    await old.release(held[3])
+    async with new.slot("new"), new.slot("new", allow_nested=True):
+        assert (await new.stats()).active == 2
