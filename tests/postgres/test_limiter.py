@@ -6,6 +6,7 @@ PostgresLimiter is asyncio-only, so these tests run on asyncio (the conftest ove
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import subprocess
@@ -579,3 +580,94 @@ async def test_replaced_limits_count_every_held_lease_and_old_holders_release(
     await old.release(held[3])
     async with new.slot("new"), new.slot("new", allow_nested=True):
         assert (await new.stats()).active == 2
+
+
+# -- the listener ---------------------------------------------------------------------------
+
+
+async def listener_pid(dsn: str, schema: str) -> int | None:
+    """The backend of a limiter's listening connection (tagged with the schema's name)."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s "
+            "AND query LIKE 'LISTEN%%' AND state = 'idle'",
+            [schema],
+        )
+        row = await cur.fetchone()
+    return None if row is None else int(row[0])
+
+
+async def test_a_forged_notification_grants_nothing(
+    make: Any, dsn: str, schema: str, eventually: Any
+) -> None:
+    # Any role may NOTIFY on the channel: a payload that claims a grant for a waiting
+    # entry (its owner and entry id are readable in the queue table) must not be believed.
+    limits: dict[str, Any] = {"max_concurrent": 1, "poll_interval": 30.0, "queue_entry_ttl": 120}
+    a, b = make(**limits), make(**limits)
+    held = await a.acquire(request())
+    got: list[Any] = []
+
+    async def wait() -> None:
+        got.append(await b.acquire(request()))
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await eventually(lambda: queued(a, 1))
+
+            async def listening() -> bool:
+                return await listener_pid(dsn, schema) is not None
+
+            await eventually(listening)
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                cur = await conn.execute(
+                    f'SELECT owner::text, entry_id::text FROM "{schema}".queue'.encode()
+                )
+                owner, entry_id = await cur.fetchone()  # type: ignore[misc]
+                forged = str(uuid.uuid4())
+                for payload in (
+                    {"g": [[owner, entry_id, forged, "default", 4e9]]},
+                    {"k": [owner]},
+                    {"k": "*"},
+                    "not json",
+                ):
+                    await conn.execute(
+                        "SELECT pg_notify(%s, %s)", [f"slotwise.{schema}", json.dumps(payload)]
+                    )
+            await anyio.sleep(0.5)
+            assert got == [], "a forged notification was taken for a grant"
+            assert (await a.stats()).active == 1
+            await a.release(held)  # a true grant, told by a true notification
+    assert len(got) == 1
+    assert got[0].lease_id != forged
+    assert await b.renew(got[0]) is not None
+    await b.release(got[0])
+
+
+async def test_the_listening_connection_has_tcp_keepalive(
+    make: Any, dsn: str, schema: str, eventually: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[Any] = []
+    connect = psycopg.AsyncConnection.connect
+
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        conn = await connect(*args, **kwargs)
+        made.append(conn)
+        return conn
+
+    monkeypatch.setattr(psycopg.AsyncConnection, "connect", recording)
+    limiter = make(max_concurrent=1)
+    held = await limiter.acquire(request())
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(limiter.acquire, request())
+
+        async def listening() -> bool:
+            return await listener_pid(dsn, schema) is not None
+
+        await eventually(listening)
+        pid = await listener_pid(dsn, schema)
+        (conn,) = [c for c in made if not c.closed and c.info.backend_pid == pid]
+        params = conn.info.get_parameters()
+        assert params.get("keepalives") == "1", params
+        assert "keepalives_idle" in params
+        await limiter.release(held)
