@@ -6,6 +6,7 @@ PostgresLimiter is asyncio-only, so these tests run on asyncio (the conftest ove
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
@@ -671,3 +672,59 @@ async def test_the_listening_connection_has_tcp_keepalive(
         assert params.get("keepalives") == "1", params
         assert "keepalives_idle" in params
         await limiter.release(held)
+
+
+# -- threads, event loops and sync code -----------------------------------------------------
+
+
+async def test_sync_code_is_refused_with_what_to_do(make: Any) -> None:
+    limiter = make(max_concurrent=1)
+
+    def in_a_thread() -> None:
+        with limiter.sync_slot():
+            pytest.fail("the body must not run")
+
+    with pytest.raises(slotwise.ConcurrencyConfigError) as info:
+        await anyio.to_thread.run_sync(in_a_thread)
+    assert "async with limiter.slot()" in str(info.value)
+    assert "its own PostgresLimiter with the same name" in str(info.value)
+
+
+async def test_a_second_event_loop_is_refused_at_once(make: Any, eventually: Any) -> None:
+    # Busy on this loop (a slot held, a request waiting), the limiter is used from an event
+    # loop of another thread: a clear error at once, where that request used to wait forever
+    # (its grant would have been handed over on this loop).
+    limiter = make(max_concurrent=1)
+    held = await limiter.acquire(request())
+
+    async def elsewhere() -> None:
+        async with limiter.slot():
+            pytest.fail("the body must not run")
+
+    def other_loop() -> None:
+        asyncio.run(asyncio.wait_for(elsewhere(), 10))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(limiter.acquire, request())
+        await eventually(lambda: queued(limiter, 1))
+        with pytest.raises(slotwise.ConcurrencyConfigError, match="another event loop"):
+            await anyio.to_thread.run_sync(other_loop)
+        await limiter.release(held)
+
+
+def test_one_event_loop_after_another(tagged_dsn: str, schema: str) -> None:
+    # asyncio.run() twice in a script, without aclose() in between: the second loop starts
+    # the limiter anew (the first one's tasks ended with it).
+    limiter: PostgresLimiter[Any] = PostgresLimiter(tagged_dsn, schema=schema, max_concurrent=1)
+
+    async def use() -> int:
+        async with limiter.slot():
+            return (await limiter.stats()).active
+
+    assert asyncio.run(use()) == 1
+    assert asyncio.run(use()) == 1
+
+    async def close() -> None:
+        await limiter.aclose()
+
+    asyncio.run(close())

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from functools import partial
 from types import TracebackType
-from typing import Any, Literal, TypeVar, final, overload
+from typing import Any, ClassVar, Literal, TypeVar, final, overload
 
 import anyio
 import attrs
@@ -185,6 +185,14 @@ class PostgresLimiter(BuiltinLimiter[W]):
         ...     async with claude.slot():
         ...         ...
     """
+
+    # What code without an event loop (sync_slot(), a sync HTTP client) should do instead.
+    _sync_advice: ClassVar[str] = (
+        "A PostgresLimiter waits on the asyncio event loop that started it: take the slot in "
+        "a coroutine with `async with limiter.slot()` (run by asyncio.run(), or from a worker "
+        "thread of that loop by anyio.from_thread.run()); a thread that runs its own event "
+        "loop needs its own PostgresLimiter with the same name, which shares the same slots"
+    )
 
     __slots__ = (
         "_abandoned",
