@@ -465,8 +465,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 with contextlib.suppress(Exception):  # else they go stale; leases expire
                     await self._run(partial(self._cycle, withdraw=list(self._abandoned)))
             self._abandoned.clear()
-            if self._tasks:  # transactions still running finish before their pool closes
-                await asyncio.wait(set(self._tasks), timeout=3 * self.db_timeout)
+            with anyio.move_on_after(3 * self.db_timeout):
+                while self._tasks:  # transactions under way end before their pool closes
+                    await asyncio.wait(set(self._tasks))
             if self._owns_pool:
                 await self._pool.close()
         self._started = False
@@ -586,10 +587,15 @@ class PostgresLimiter(BuiltinLimiter[W]):
         Works whatever limits are stored now: a lease taken under limits that another
         process replaced is released all the same.
         """
-        await self.start()
-        if _is_uuid(lease.lease_id):
-            cycle = await self._run(partial(self._cycle, release=lease.lease_id))
-            self._deliver(cycle.granted)
+        if not self._started:
+            await self.start()
+        self._check_loop()
+        if not _is_uuid(lease.lease_id):
+            await checkpoint()
+            return
+        # The transaction is under way before anything awaits: aclose() waits for it.
+        cycle = await self._run(partial(self._cycle, release=lease.lease_id))
+        self._deliver(cycle.granted)
 
     # -- the poller: one per limiter per process ------------------------------------------
 
