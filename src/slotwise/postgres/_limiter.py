@@ -483,7 +483,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         with anyio.move_on_after(self.db_timeout):
             while self._abandoned and self._rounds is not None:
                 await self._rounds.wait()
-        rows = await self._run(self._stats_rows)
+        rows = await self._run(self._stats_rows, read=True)
         active: dict[str, int] = {}
         queued: dict[str, int] = {}
         for kind, workload, count in rows:
@@ -639,7 +639,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
                         next_cycle = anyio.current_time() + interval
                         await self._poll_cycle(batch, withdraw, asked)
                     else:
-                        self._deliver(await self._run(partial(self._fetch, asked=asked)))
+                        granted = await self._run(partial(self._fetch, asked=asked), read=True)
+                        self._deliver(granted)
                 except Exception as exc:
                     # Fail closed: every local waiter raises (the runtime reports a limiter
                     # error); the entries of this batch may exist: their requests withdraw them.
@@ -780,15 +781,19 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     # -- transactions ---------------------------------------------------------------------
 
-    async def _run(self, body: Callable[[Conn], Awaitable[T]], *, retry: bool = True) -> T:
+    async def _run(
+        self, body: Callable[[Conn], Awaitable[T]], *, retry: bool = True, read: bool = False
+    ) -> T:
         """Run ``body`` in one transaction on a pooled connection, in a task of its own.
 
         The caller waits for it, and may be cancelled meanwhile: the transaction goes on to
         its end (a query interrupted midway would leave its connection in an unknown state,
         and psycopg would warn), so nothing it began is left half done. Every step is bounded
         by ``db_timeout`` (see _transaction); the caller waits three times that at most.
+        ``read``: the body is one statement that only reads, run without a transaction when
+        the connection is in autocommit mode (one round trip instead of two).
         """
-        task = asyncio.get_running_loop().create_task(self._transaction(body, retry))
+        task = asyncio.get_running_loop().create_task(self._transaction(body, retry, read))
         self._tasks.add(task)
         task.add_done_callback(self._ended)
         bound = 3 * self.db_timeout
@@ -801,7 +806,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
         if not task.cancelled():
             task.exception()  # retrieved: its caller may have stopped waiting for it
 
-    async def _transaction(self, body: Callable[[Conn], Awaitable[T]], retry: bool) -> T:
+    async def _transaction(
+        self, body: Callable[[Conn], Awaitable[T]], retry: bool, read: bool = False
+    ) -> T:
         """One transaction: a connection within ``db_timeout``, then the body under a
         ``lock_timeout`` and a ``statement_timeout`` of ``db_timeout``.
 
@@ -817,6 +824,10 @@ class PostgresLimiter(BuiltinLimiter[W]):
             committing = False
             conn: Conn | None = None
             try:
+                if read:
+                    async with self._pool.connection(timeout=self.db_timeout) as conn:
+                        if conn.autocommit:
+                            return await body(conn)
                 async with (
                     self._pool.connection(timeout=self.db_timeout) as conn,
                     conn.pipeline(),
