@@ -57,6 +57,8 @@ _logger = logging.getLogger("slotwise")
 _MAX_SECONDS = 1e9
 # TCP keepalive of the listening connection, unless its conninfo sets its own: a connection
 # that died without a word (a half-open socket) is noticed within about a minute.
+# How long the limiter's own pool keeps trying to remake a lost connection (see _own_pool).
+_RECONNECT = 2.0
 _KEEPALIVE = {
     "keepalives": 1,
     "keepalives_idle": 30,
@@ -1119,8 +1121,16 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
 
 def _own_pool(conninfo: str) -> AsyncConnectionPool[Any]:
+    # A connection that cannot be remade is given up after a few seconds (psycopg_pool's
+    # default is 5 minutes of growing back-off): the next request then connects at once, so
+    # the limiter serves again as soon as the database is back.
     return AsyncConnectionPool(
-        conninfo, min_size=1, max_size=4, open=False, kwargs={"autocommit": True}
+        conninfo,
+        min_size=1,
+        max_size=4,
+        open=False,
+        kwargs={"autocommit": True},
+        reconnect_timeout=_RECONNECT,
     )
 
 
