@@ -728,3 +728,32 @@ def test_one_event_loop_after_another(tagged_dsn: str, schema: str) -> None:
         await limiter.aclose()
 
     asyncio.run(close())
+
+
+async def test_aclose_with_requests_waiting_leaves_nothing_running(make: Any) -> None:
+    limiter = make(max_concurrent=1)
+    held = await limiter.acquire(request())
+    errors: list[BaseException] = []
+
+    async def wait() -> None:
+        try:
+            await limiter.acquire(request())
+        except slotwise.ConcurrencyLimiterError as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(wait)
+        await eventually_queued(limiter)
+        await limiter.aclose()
+    assert len(errors) == 3
+    # Nothing of the limiter runs on after aclose(): no poller, no listener, no transaction.
+    await anyio.sleep(0.2)
+    names = {task.get_coro().__qualname__ for task in asyncio.all_tasks()}  # type: ignore[union-attr]
+    assert not any(name.startswith("PostgresLimiter.") for name in names), names
+    # The closed requests left the queue with it: the slot freed next is not lost to one.
+    assert (await limiter.stats()).queued == 0
+    await limiter.release(held)
+    with anyio.fail_after(10):
+        async with limiter.slot():
+            pass

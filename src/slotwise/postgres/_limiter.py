@@ -406,6 +406,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._pending.clear()
         self._abandoned.clear()
         self._tasks.clear()
+        self._owner = str(uuid.uuid4())  # what the old loop left behind is a dead process's
         if self._owns_pool:
             self._pool = _own_pool(self._pool.conninfo)  # type: ignore[arg-type]
 
@@ -448,6 +449,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._check_loop()
         if self._loop is None:  # never started, or its event loop ended: nothing runs
             return
+        started, self._started = self._started, False  # requests ending now start nothing
         for task in (self._poller, self._listener):
             if task is not None:
                 task.cancel()
@@ -456,24 +458,30 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 with anyio.CancelScope(shield=True):
                     await asyncio.gather(task, return_exceptions=True)
         self._poller = self._listener = None
+        # The entries of the requests failed here, and of those that ended lately, go now
+        # (not when they go stale), with any slot granted to them.
+        withdraw = [*self._abandoned, *(e for e in self._waiters if e not in self._pending)]
         for waiter in self._waiters.values():
             waiter.error = ConcurrencyLimiterError("the limiter was closed")
             waiter.event.set()
         self._waiters.clear()
         self._pending.clear()
-        with anyio.CancelScope(shield=True):
-            if self._abandoned and self._started:
-                # The entries of requests that ended lately go now, not when they go stale.
+        self._abandoned.clear()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(3 * self.db_timeout):
+            while self._tasks:  # transactions under way end before the withdrawal
+                await asyncio.wait(set(self._tasks))
+            if withdraw and started:
                 with contextlib.suppress(Exception):  # else they go stale; leases expire
-                    await self._run(partial(self._cycle, withdraw=list(self._abandoned)))
-            self._abandoned.clear()
-            with anyio.move_on_after(3 * self.db_timeout):
-                while self._tasks:  # transactions under way end before their pool closes
-                    await asyncio.wait(set(self._tasks))
-            if self._owns_pool:
+                    await self._run(partial(self._cycle, withdraw=withdraw))
+            while self._tasks:  # and before their pool closes
+                await asyncio.wait(set(self._tasks))
+        if self._owns_pool:
+            with anyio.CancelScope(shield=True):
                 await self._pool.close()
-        self._started = False
         self._loop = self._start_lock = None
+        # A new identity for the next start: anything of this one left behind is a dead
+        # process's, passed over at once.
+        self._owner = str(uuid.uuid4())
 
     async def stats(self) -> LimiterStats:
         """Active and queued requests across every process, in total and per workload.
@@ -570,6 +578,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._waiters.pop(waiter.entry_id, None)
         if self._pending.pop(waiter.entry_id, None) is not None or waiter.refused:
             return  # it never reached the database, or its entry is already gone
+        if not self._started:
+            return  # closed: the entry goes stale, a slot granted to it expires
         self._abandoned[waiter.entry_id] = anyio.current_time()
         self._wake_poller()
 
