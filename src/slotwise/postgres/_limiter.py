@@ -102,6 +102,7 @@ class _Waiter:
         "refused",
         "request_id",
         "since",
+        "until",
         "wait",
         "workload",
     )
@@ -113,6 +114,7 @@ class _Waiter:
         self.workload = workload
         self.request_id = request_id
         self.wait = wait  # seconds it may wait, from when it is enqueued
+        self.until = anyio.current_time() + wait  # when it stops waiting
         self.since = since  # enqueued_at in the database: a request queued again keeps it
         self.event = anyio.Event()
         self.lease: Lease | None = None
@@ -733,12 +735,16 @@ class PostgresLimiter(BuiltinLimiter[W]):
         for entry_id in asked:
             if entry_id not in present and entry_id not in granted:
                 waiter = self._waiters.pop(entry_id, None)
-                if waiter is not None:
+                if waiter is None:
+                    continue
+                if anyio.current_time() >= waiter.until:
+                    waiter.refused = True  # swept past its deadline: a timeout
+                else:
                     waiter.error = ConcurrencyLimiterError(
                         "the queue entry was dropped as stale (this process did not refresh "
                         f"it within queue_entry_ttl={self._queue_entry_ttl}s)"
                     )
-                    waiter.event.set()
+                waiter.event.set()
 
     async def _listen_loop(self) -> None:
         # One session connection outside the pool. If it drops, timed polling carries on
