@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import platform
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
@@ -35,6 +36,7 @@ __all__ = (
     "Waiters",
     "best",
     "clock",
+    "cpu_model",
     "in_task_tree",
     "no_gc",
     "peers_for",
@@ -309,3 +311,15 @@ def clock() -> float:
     waits for a core, which wall time would charge to whichever peer happened to run then.
     """
     return time.process_time()
+
+
+def cpu_model() -> str:
+    """The CPU model named by /proc/cpuinfo, or the platform's guess."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"

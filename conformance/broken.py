@@ -13,6 +13,7 @@ families:
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -29,6 +30,7 @@ from slotwise import (
     Lease,
     LimiterStats,
     MemoryLimiter,
+    Rate,
     SupportsLease,
     Workload,
     WorkloadStats,
@@ -425,6 +427,17 @@ class Wrapped:
     async def stats(self) -> LimiterStats:
         return await self.inner.stats()
 
+    def charge_tokens(self, lease: SupportsLease, tokens: int) -> None:
+        self.inner.charge_tokens(lease, tokens)
+
+    def throttle(
+        self, lease: SupportsLease | None, retry_after: float | None = None
+    ) -> tuple[float, tuple[int, int] | None]:
+        return self.inner.throttle(lease, retry_after)
+
+    async def set_limits(self, **limits: Any) -> None:
+        await self.inner.set_limits(**limits)
+
 
 class ReusesLeaseIds(Wrapped):
     """Names each lease after the slot it occupies, so a freed slot's id comes back."""
@@ -598,6 +611,219 @@ class NeverCountsQueued(Wrapped):
         )
 
 
+class IgnoresTokenEstimates(Wrapped):
+    """Grants a request without taking its estimated tokens: only corrections are charged."""
+
+    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+        return await self.inner.acquire(attrs.evolve(request, tokens=0))
+
+
+class ChargesHeldLeasesOnly(Wrapped):
+    """Ignores a token correction for a lease it no longer holds, as if the usage of a
+    request that has ended no longer mattered (it arrives at the end of a stream)."""
+
+    def charge_tokens(self, lease: SupportsLease, tokens: int) -> None:
+        if self.inner.renew_nowait(lease) is not None:
+            self.inner.charge_tokens(lease, tokens)
+
+
+class IgnoresPause(Wrapped):
+    """Reports a pause when a request is refused, and keeps granting."""
+
+    def throttle(
+        self, lease: SupportsLease | None, retry_after: float | None = None
+    ) -> tuple[float, tuple[int, int] | None]:
+        return time.time() + (1.0 if retry_after is None else retry_after), None
+
+
+class HandsOnDuringPause(Wrapped):
+    """Keeps a request that finds a free slot during a pause waiting until it ends (or its
+    deadline or max_wait), but lets a slot released during the pause go straight to the
+    request queued for it: the hand-off skips the check for a pause."""
+
+    def __init__(self, **limits: Any) -> None:
+        super().__init__(**limits)
+        self._until = -math.inf
+
+    def throttle(
+        self, lease: SupportsLease | None, retry_after: float | None = None
+    ) -> tuple[float, tuple[int, int] | None]:
+        pause = 1.0 if retry_after is None else retry_after
+        self._until = max(self._until, anyio.current_time() + pause)
+        return time.time() + pause, None
+
+    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+        now = anyio.current_time()
+        stats = self.inner.stats_nowait()
+        if now < self._until and not stats.queued and stats.active < self.inner.max_concurrent:
+            end = math.inf if request.deadline is None else request.deadline
+            max_wait = self.inner.workloads[request.workload].max_wait
+            if max_wait is not None:
+                end = min(end, now + max_wait)
+            await anyio.sleep(max(0.0, min(end, self._until) - now))
+            if anyio.current_time() < self._until:
+                raise ConcurrencyTimeoutError("no slot before the deadline")
+        return await self.inner.acquire(request)
+
+
+class SleepsThroughPause(Wrapped):
+    """Sends every request that arrives during a pause to sleep until it ends, before it
+    queues: its deadline and max_wait do not run meanwhile."""
+
+    def __init__(self, **limits: Any) -> None:
+        super().__init__(**limits)
+        self._until = -math.inf
+
+    def throttle(
+        self, lease: SupportsLease | None, retry_after: float | None = None
+    ) -> tuple[float, tuple[int, int] | None]:
+        pause = 1.0 if retry_after is None else retry_after
+        self._until = max(self._until, anyio.current_time() + pause)
+        return time.time() + pause, None
+
+    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+        # The pause may be extended while it sleeps.
+        while anyio.current_time() < self._until:  # noqa: ASYNC110
+            await anyio.sleep(self._until - anyio.current_time())
+        return await self.inner.acquire(request)
+
+
+class RevokesOnShrink(Wrapped):
+    """Makes a smaller max_concurrent hold at once by ending the newest leases beyond it."""
+
+    def __init__(self, **limits: Any) -> None:
+        super().__init__(**limits)
+        self._held: dict[str, SupportsLease] = {}  # in the order they were granted
+
+    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+        lease = await self.inner.acquire(request)
+        self._held[lease.lease_id] = lease
+        return lease
+
+    async def release(self, lease: SupportsLease) -> None:
+        self._held.pop(lease.lease_id, None)
+        await self.inner.release(lease)
+
+    async def set_limits(self, **limits: Any) -> None:
+        await self.inner.set_limits(**limits)
+        while len(self._held) > self.inner.max_concurrent:
+            await self.release(self._held[next(reversed(self._held))])
+
+
+class AppliesSettingsInTurn(Wrapped):
+    """Applies a new max_concurrent before it checks the other new settings: an invalid one
+    raises, but the new limit has taken effect."""
+
+    async def set_limits(self, **limits: Any) -> None:
+        if "max_concurrent" in limits:
+            await self.inner.set_limits(max_concurrent=limits.pop("max_concurrent"))
+        await self.inner.set_limits(**limits)
+
+
+class _Bucket:
+    """A token bucket on the event loop's clock, full at the start."""
+
+    def __init__(self, capacity: int, per: float) -> None:
+        self.capacity = capacity
+        self.per_second = capacity / per
+        self.level = float(capacity)
+        self.updated = anyio.current_time()
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.per_second)
+        self.updated = now
+
+    def wait(self, units: int) -> float:
+        return max(0.0, (units - self.level) / self.per_second)
+
+
+class _OverfillingBucket(_Bucket):
+    def refill(self, now: float) -> None:
+        self.level += (now - self.updated) * self.per_second
+        self.updated = now
+
+
+class ChecksRatesFirst(Wrapped):
+    """Takes a request's rates from token buckets of its own before the request queues for
+    a slot, each workload's requests one at a time in arrival order: a rate limiter in front
+    of a semaphore, as peers are combined (its stats count the requests waiting for either).
+    Across workloads, whichever waiter's tokens are there first takes them, whatever its
+    priority."""
+
+    def __init__(self, **limits: Any) -> None:
+        super().__init__(**limits)  # checks the settings as given
+        workloads = self.inner.workloads
+        rates: list[tuple[str | None, Rate | None]] = [(None, limits.get("rate"))]
+        rates += [(name, workload.rate) for name, workload in workloads.items()]
+        self._buckets: dict[tuple[str | None, str], _Bucket] = {}
+        for scope, rate in rates:
+            for kind in ("requests", "tokens"):
+                capacity = None if rate is None else getattr(rate, kind)
+                if rate is not None and capacity is not None:
+                    self._buckets[scope, kind] = self._bucket(capacity, rate.per)
+        unrated = {name: attrs.evolve(workload, rate=None) for name, workload in workloads.items()}
+        self.inner = MemoryLimiter(**{**limits, "rate": None, "workloads": unrated})
+        self._turns = {name: anyio.Lock() for name in workloads}
+        self._refunded = anyio.Event()
+        self._gated = dict.fromkeys(workloads, 0)  # requests waiting for their rates
+
+    _bucket = _Bucket
+
+    def _needs(self, workload: str, cost: dict[str, int]) -> list[tuple[_Bucket, int]]:
+        return [
+            (bucket, cost[kind])
+            for (scope, kind), bucket in self._buckets.items()
+            if scope in (None, workload) and cost[kind]
+        ]
+
+    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+        workload = self.inner.validate_workload(request.workload)
+        needs = self._needs(workload, {"requests": 1, "tokens": request.tokens})
+        if any(units > bucket.capacity for bucket, units in needs):
+            raise ConcurrencyConfigError(f"a request of {request.tokens} tokens never fits")
+        self._gated[workload] += 1
+        try:
+            async with self._turns[workload]:
+                while True:
+                    for bucket, _ in needs:
+                        bucket.refill(anyio.current_time())
+                    wait = max((bucket.wait(units) for bucket, units in needs), default=0.0)
+                    if wait <= 1e-9:  # what rounding leaves
+                        break
+                    with anyio.move_on_after(wait):
+                        await self._refunded.wait()
+                for bucket, units in needs:
+                    bucket.level -= units
+        finally:
+            self._gated[workload] -= 1
+        return await self.inner.acquire(request)
+
+    async def stats(self) -> LimiterStats:
+        stats = await self.inner.stats()
+        return attrs.evolve(
+            stats,
+            queued=stats.queued + sum(self._gated.values()),
+            workloads={
+                name: attrs.evolve(counts, queued=counts.queued + self._gated.get(name, 0))
+                for name, counts in stats.workloads.items()
+            },
+        )
+
+    def charge_tokens(self, lease: SupportsLease, tokens: int) -> None:
+        for bucket, units in self._needs(lease.workload, {"requests": 0, "tokens": tokens}):
+            bucket.refill(anyio.current_time())
+            bucket.level = min(bucket.capacity, bucket.level - units)
+        if tokens < 0:
+            self._refunded.set()
+            self._refunded = anyio.Event()
+
+
+class OverfillsBuckets(ChecksRatesFirst):
+    """Refills its buckets past their capacity while nobody uses them."""
+
+    _bucket = _OverfillingBucket
+
+
 def _with_workloads(change: Callable[[int, Workload], Workload]) -> Factory:
     def create(**limits: Any) -> MemoryLimiter[str]:
         workloads = limits.get("workloads")
@@ -667,3 +893,11 @@ ignores_max_wait = _with_workloads(
     )
 )
 ignores_max_wait.__doc__ = "Lets every request wait without a limit."
+
+ignores_workload_max_queued = _with_workloads(
+    lambda index, workload: attrs.evolve(workload, max_queued=None)
+)
+ignores_workload_max_queued.__doc__ = "Bounds only the limiter's queue, not each workload's."
+
+ignores_workload_rates = _with_workloads(lambda index, workload: attrs.evolve(workload, rate=None))
+ignores_workload_rates.__doc__ = "Applies the limiter's rate and none of its workloads'."

@@ -13,7 +13,7 @@ from slotwise.conformance import ConformanceCase, conformance_cases
 
 pytestmark = pytest.mark.anyio
 
-CASES = conformance_cases(MemoryLimiter)
+CASES = conformance_cases(MemoryLimiter, supports=["workload_max_queued", "rates", "pushback"])
 
 
 def test_memory_limiter_declares_every_capability() -> None:

@@ -30,8 +30,11 @@ def case_named(name: str, create: Any, **options: Any) -> ConformanceCase:
     return case
 
 
+ALL = ("workload_max_queued", "rates", "pushback")  # the capabilities declared with supports=
+
+
 def test_cases_have_unique_names_duties_and_known_capabilities() -> None:
-    cases = conformance_cases(MemoryLimiter, block_storage=broken.block_storage)
+    cases = conformance_cases(MemoryLimiter, supports=ALL, block_storage=broken.block_storage)
     assert len({case.name for case in cases}) == len(cases)
     assert all(case.duty and case.skip_reason is None for case in cases)
     assert set().union(*(case.requires for case in cases)) == {*CAPABILITIES, "block_storage"}
@@ -44,13 +47,79 @@ def test_only_capabilities_can_be_skipped(skip: Any) -> None:
         conformance_cases(MemoryLimiter, skip=skip)
 
 
+@pytest.mark.parametrize(
+    ("supports", "skip", "says"),
+    [
+        (["rate"], (), "cannot declare 'rate'"),
+        (["atomic_allocation"], (), "cannot declare 'atomic_allocation'"),
+        (["rates"], {"rates": "no buckets"}, "'rates' is both in skip and in supports"),
+    ],
+)
+def test_only_capabilities_can_be_declared_and_not_also_skipped(
+    supports: Any, skip: Any, says: str
+) -> None:
+    with pytest.raises(ValueError, match=says):
+        conformance_cases(MemoryLimiter, supports=supports, skip=skip)
+
+
+def test_the_later_capabilities_run_only_when_declared() -> None:
+    def skipped(**options: Any) -> set[str]:
+        cases = conformance_cases(MemoryLimiter, block_storage=broken.block_storage, **options)
+        return {case.name for case in cases if case.skip_reason is not None}
+
+    assert skipped() == {
+        "workload_max_queued",
+        "rate_window",
+        "rate_tokens",
+        "rate_order",
+        "pause",
+        "set_limits",
+    }
+    assert skipped(supports="rates") == {"workload_max_queued", "pause", "set_limits"}
+    assert skipped(supports=ALL) == set()
+    # Skipping a capability the later cases also need skips them, declared or not.
+    assert skipped(supports=ALL, skip=["workloads"]) == {
+        case.name for case in conformance_cases(MemoryLimiter) if "workloads" in case.requires
+    }
+
+
+async def test_an_undeclared_capability_is_a_skip_that_says_how_to_declare_it() -> None:
+    case = case_named("rate_window", MemoryLimiter)
+    with pytest.raises(
+        pytest.skip.Exception,
+        match=r"'rates' support \(declare it with conformance_cases\(supports=\['rates'\]\)\)",
+    ):
+        await case.run()
+    reason = case_named("rate_window", MemoryLimiter, skip={"rates": "no buckets"}).skip_reason
+    assert reason == "the limiter declares no 'rates' support (no buckets)"
+
+
+@pytest.mark.parametrize(
+    ("name", "capability", "member"),
+    [
+        ("rate_tokens", "rates", "charge_tokens"),
+        ("pause", "pushback", "throttle"),
+        ("set_limits", "pushback", "set_limits"),
+    ],
+)
+async def test_a_declared_capability_needs_its_methods_on_the_class(
+    name: str, capability: str, member: str
+) -> None:
+    # ContextLimiter forwards acquire, renew and release only.
+    case = case_named(
+        name, lambda **limits: ContextLimiter(Opened(), **limits), supports=[capability]
+    )
+    with pytest.raises(ConformanceFailure, match=f"its class has no {member}\\(\\)"):
+        await case.run()
+
+
 def test_time_scale_must_be_positive() -> None:
     with pytest.raises(ValueError, match="time_scale"):
         conformance_cases(MemoryLimiter, time_scale=0)
 
 
 def test_skipping_a_capability_skips_every_case_that_needs_it() -> None:
-    cases = conformance_cases(MemoryLimiter, skip="workloads")
+    cases = conformance_cases(MemoryLimiter, skip="workloads", supports=ALL)
     skipped = {case.name for case in cases if case.skip_reason is not None}
     assert skipped == {case.name for case in cases if "workloads" in case.requires} | {
         "blocked_storage"

@@ -270,3 +270,15 @@ async def test_a_request_without_a_usable_workload_fails_before_it_waits(
             assert kinds == ["config-error"]
     finally:
         await limiter.release(held)
+
+
+def test_the_signatures_show_the_default_lease_ttl() -> None:
+    """The reference shows the value (30.0), the runtime uses the constant: they agree."""
+    import inspect
+
+    from slotwise._config import DEFAULT_LEASE_TTL
+    from slotwise.postgres import PostgresLimiter
+
+    for cls in (MemoryLimiter, PostgresLimiter):
+        default = inspect.signature(cls.__init__).parameters["lease_ttl"].default
+        assert default == DEFAULT_LEASE_TTL, cls

@@ -7,6 +7,7 @@ Timing is checked exactly on trio's MockClock; a few tests also run on asyncio i
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import anyio
@@ -24,6 +25,7 @@ from slotwise import (
     Rate,
     Workload,
 )
+from slotwise._core.rates import Bucket, BucketRule
 
 pytestmark = pytest.mark.anyio
 
@@ -51,6 +53,12 @@ def now() -> float:
         ({"rate": Rate(requests=5, per=0)}, "rate.per must be a positive"),
         ({"rate": Rate(requests=5, per=float("inf"))}, "rate.per must be a positive, finite"),
         ({"rate": 50}, "rate must be a slotwise.Rate"),
+        ({"rate": Rate(requests=5, latency=-1)}, "rate.latency must be a non-negative, finite"),
+        ({"rate": Rate(requests=5, latency=float("inf"))}, "rate.latency must be a non-neg"),
+        (
+            {"workloads": {"a": Workload(rate=Rate(tokens=5, latency=float("nan")))}},
+            r"workloads\['a'\].rate.latency must be",
+        ),
         (
             {
                 "rate": Rate(requests=10, per=60),
@@ -104,6 +112,108 @@ async def test_a_burst_up_to_the_bucket_then_the_refill_rate() -> None:
         for _ in range(6):
             tg.start_soon(request)
     assert granted == [0.0, 0.0, 0.5, 1.0, 1.5, 2.0]
+
+
+@on_mock_clock()
+async def test_a_latency_reserve_delays_each_wait_by_the_latency_at_the_same_pace() -> None:
+    """The refill of 0.25 s (half a request) stays in the bucket: the burst is one request
+    shorter, and every later grant comes 0.25 s after it would have (see the test above)."""
+    limiter = MemoryLimiter(
+        name="rpm", max_concurrent=10, rate=Rate(requests=2, per=1.0, latency=0.25)
+    )
+    start = now()
+    granted: list[float] = []
+
+    async def request() -> None:
+        async with limiter.slot():
+            granted.append(now() - start)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(6):
+            tg.start_soon(request)
+    assert granted == pytest.approx([0.0, 0.25, 0.75, 1.25, 1.75, 2.25])
+
+
+@on_mock_clock()
+async def test_a_request_as_large_as_the_bucket_needs_it_full_whatever_the_reserve() -> None:
+    limiter = MemoryLimiter(
+        name="tpm", max_concurrent=10, rate=Rate(tokens=100, per=1.0, latency=0.5)
+    )
+    start = now()
+    async with limiter.slot(tokens=100):
+        assert now() == start
+    async with limiter.slot(tokens=100):
+        assert now() - start == pytest.approx(1.0)
+
+
+def test_a_bucket_short_by_a_rounding_error_grants_at_once() -> None:
+    """Refills are float sums: a level of 1.9999999999999 must grant 2 now, not ask for a
+    wait of 1e-16 s that no float clock can add (on a mock clock: a waiter woken at the same
+    instant for ever)."""
+    rule = BucketRule(kind="tokens", capacity=1000, per=1.0)
+    bucket = Bucket(rule=rule, level=1.999999999999904, updated=3.3545148639039803)
+    assert bucket.holds(2)
+    assert bucket.wait(2) == 0.0
+    assert not Bucket(rule=rule, level=1.99, updated=0.0).holds(2)
+
+
+class ProviderBucket:
+    """A provider's own token bucket, which counts a request when it arrives."""
+
+    def __init__(self, capacity: int, per: float, start: float) -> None:
+        self.capacity, self.per = capacity, per
+        self.level, self.updated = float(capacity), start
+
+    def take(self, cost: int, at: float) -> bool:
+        self.level = min(self.capacity, self.level + (at - self.updated) * self.capacity / self.per)
+        self.updated = at
+        fits = self.level >= cost - 1e-9
+        self.level -= cost
+        return fits
+
+
+async def refusals_at_a_provider(latency: float, seed: int) -> int:
+    """Requests of random sizes, in random bursts, each reaching the provider a random time
+    (up to 0.2 s) after its grant: how many find the provider's bucket short."""
+    rng = random.Random(seed)
+    limiter = MemoryLimiter(
+        name="p",
+        max_concurrent=20,
+        rate=Rate(requests=5, tokens=1000, per=1.0, latency=latency),
+    )
+    start = now()
+    requests = ProviderBucket(5, 1.0, start)
+    tokens = ProviderBucket(1000, 1.0, start)
+    refused = 0
+
+    async def request(cost: int, transit: float, hold: float) -> None:
+        nonlocal refused
+        async with limiter.slot(tokens=cost):
+            await anyio.sleep(transit)
+            if not (requests.take(1, now()) & tokens.take(cost, now())):
+                refused += 1
+            await anyio.sleep(hold)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(12):
+            for _ in range(rng.randint(1, 8)):
+                tg.start_soon(request, rng.randint(1, 600), rng.uniform(0, 0.2), rng.random())
+            await anyio.sleep(rng.uniform(0, 3))
+    return refused
+
+
+@on_mock_clock()
+@pytest.mark.parametrize("seed", range(8))
+async def test_with_its_latency_reserved_no_request_reaches_the_provider_early(
+    seed: int,
+) -> None:
+    assert await refusals_at_a_provider(latency=0.2, seed=seed) == 0
+
+
+@on_mock_clock()
+async def test_without_a_reserve_requests_granted_as_a_bucket_refills_arrive_early() -> None:
+    """The control for the test above."""
+    assert sum([await refusals_at_a_provider(latency=0.0, seed=seed) for seed in range(8)]) > 0
 
 
 @on_mock_clock()
@@ -237,6 +347,48 @@ async def test_a_waiter_is_woken_when_its_bucket_refills_and_says_so() -> None:
         unsubscribe()
     acquired = [e for e in events if e.kind == "acquired"]
     assert [e.waited_for for e in acquired] == [(), ("requests",)]
+
+
+@on_mock_clock()
+async def test_a_waiter_blocked_by_a_bucket_at_anothers_release_is_woken_at_the_refill() -> None:
+    # It parked waiting for a slot; the release that frees one finds its bucket short, so
+    # from then on it waits for the refill, which nobody's timer was set for.
+    limiter = MemoryLimiter(name="tpm", max_concurrent=1, rate=Rate(tokens=1_000, per=10.0))
+    granted: list[float] = []
+
+    async def second() -> None:
+        async with limiter.slot(tokens=900, allow_nested=True):  # started inside a slot
+            granted.append(now())
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg, limiter.slot(tokens=900) as slot:
+            tg.start_soon(second)
+            await anyio.sleep(1.0)
+            slot.used_tokens(900)
+            # At 1 s the bucket holds 100 + 100 refilled: 700 more take 7 s.
+    assert granted == [pytest.approx(8.0)]
+
+
+@on_mock_clock()
+async def test_a_waiter_freed_a_slot_then_short_of_tokens_is_woken_when_they_refill() -> None:
+    # It waited for a slot first, with nothing to refill; the release that gave it room
+    # leaves it waiting for its tokens, and the clock must now wake it at the refill.
+    limiter = MemoryLimiter(name="tpm", max_concurrent=1, rate=Rate(tokens=100, per=10.0))
+    holder = await slotwise.acquire(limiter=limiter, tokens=100)
+    granted = anyio.Event()
+
+    async def waiter() -> None:
+        async with limiter.slot(tokens=100, allow_nested=True):
+            granted.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        released_at = now()
+        await holder.release()
+        with anyio.fail_after(60):  # its lease would expire after 30 s: the wake-up then
+            await granted.wait()
+    assert now() - released_at == pytest.approx(10.0)
 
 
 @on_mock_clock()

@@ -7,6 +7,7 @@ short budgets, where only the order of events is checked.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -104,6 +105,24 @@ async def until_stats(limiter: MemoryLimiter[Any], *, active: int, queued: int) 
 async def assert_idle(limiter: MemoryLimiter[Any]) -> None:
     stats = await limiter.stats()
     assert (stats.active, stats.queued) == (0, 0), repr(limiter)
+
+
+class Stopped:
+    """What `run_cancelled()` caught."""
+
+    error: slotwise.RunCancelledError
+
+
+@contextlib.contextmanager
+def run_cancelled() -> Iterator[Stopped]:
+    """The run's block inside must be stopped: it raises RunCancelledError as it exits."""
+    stopped = Stopped()
+    try:
+        yield stopped
+    except slotwise.RunCancelledError as exc:
+        stopped.error = exc
+    else:
+        pytest.fail("the run's block ended without RunCancelledError")
 
 
 @attrs.define
@@ -641,16 +660,18 @@ async def test_cancel_stops_a_wait(events: list[ConcurrencyEvent]) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(holder)
         await holder.held.wait()
-        async with slotwise.run(limiter=claude) as run:
+        with run_cancelled() as raised:
+            async with slotwise.run(limiter=claude) as run:
 
-            async def cancel_when_queued() -> None:
-                await until_stats(claude, active=1, queued=1)
-                run.cancel()
+                async def cancel_when_queued() -> None:
+                    await until_stats(claude, active=1, queued=1)
+                    run.cancel()
 
-            tg.start_soon(cancel_when_queued)
-            async with slotwise.slot():
-                pytest.fail("the body must not run")
+                tg.start_soon(cancel_when_queued)
+                async with slotwise.slot():
+                    pytest.fail("the body must not run")
         assert run.cancelled
+        assert raised.error.run_id == run.run_id
         await until_stats(claude, active=1, queued=0)
         holder.stop.set()
     assert kinds(events, run_id=run.run_id) == ["wait-started", "wait-cancelled"]
@@ -662,11 +683,12 @@ async def test_cancel_stops_a_running_body_and_releases_its_slot(
 ) -> None:
     claude = MemoryLimiter(name="claude", max_concurrent=1)
     after = False
-    async with slotwise.run(limiter=claude) as run:
-        async with slotwise.slot():
-            run.cancel()
-            await anyio.sleep_forever()
-        after = True
+    with run_cancelled():
+        async with slotwise.run(limiter=claude) as run:
+            async with slotwise.slot():
+                run.cancel()
+                await anyio.sleep_forever()
+            after = True
     assert not after
     assert run.cancelled
     assert [e.outcome for e in events if e.kind == "released"] == ["cancelled"]
@@ -676,18 +698,20 @@ async def test_cancel_stops_a_running_body_and_releases_its_slot(
 async def cancel_as_granted(claude: MemoryLimiter[Any], body: list[str]) -> slotwise.Run:
     """Grant the slot to a waiting run and cancel that run before it resumes."""
     first = await slotwise.acquire(limiter=claude)
-    async with anyio.create_task_group() as tg, slotwise.run(limiter=claude) as run:
+    async with anyio.create_task_group() as tg:
+        with run_cancelled():
+            async with slotwise.run(limiter=claude) as run:
 
-        async def hand_over_then_cancel() -> None:
-            await until_stats(claude, active=1, queued=1)
-            await first.release()  # grants the slot to the waiter...
-            run.cancel()  # ...which is cancelled before it resumes
+                async def hand_over_then_cancel() -> None:
+                    await until_stats(claude, active=1, queued=1)
+                    await first.release()  # grants the slot to the waiter...
+                    run.cancel()  # ...which is cancelled before it resumes
 
-        tg.start_soon(hand_over_then_cancel)
-        async with slotwise.slot():
-            body.append("started")
-            await anyio.lowlevel.checkpoint()  # where the provider call would start
-            body.append("provider called")
+                tg.start_soon(hand_over_then_cancel)
+                async with slotwise.slot():
+                    body.append("started")
+                    await anyio.lowlevel.checkpoint()  # where the provider call would start
+                    body.append("provider called")
     return run
 
 
@@ -725,47 +749,59 @@ async def test_cancel_reaches_children_in_other_tasks(
     children: list[slotwise.Run] = []
     finished: list[str] = []
     inside: list[str] = []  # bodies running (a slot granted but not yet entered can still leave)
+    raised_by: list[str | None] = []  # the run ids of the RunCancelledErrors the tasks caught
 
     async def tool(tg_for_grandchild: anyio.abc.TaskGroup) -> None:
-        async with slotwise.run() as child:
-            children.append(child)
-            tg_for_grandchild.start_soon(grandchild_tool)
-            async with slotwise.slot():
-                inside.append("child")
-                await anyio.sleep_forever()
-            finished.append("child body")
-        finished.append("child run")
+        try:
+            async with slotwise.run() as child:
+                children.append(child)
+                tg_for_grandchild.start_soon(grandchild_tool)
+                async with slotwise.slot():
+                    inside.append("child")
+                    await anyio.sleep_forever()
+                finished.append("child body")
+            finished.append("child run")
+        except slotwise.RunCancelledError as exc:
+            finished.append("child run cancelled")
+            raised_by.append(exc.run_id)
 
     async def grandchild_tool() -> None:
-        async with slotwise.run() as grandchild:
-            children.append(grandchild)
-            async with slotwise.slot():
-                inside.append("grandchild")
-                await anyio.sleep_forever()
-        finished.append("grandchild run")
+        try:
+            async with slotwise.run() as grandchild:
+                children.append(grandchild)
+                async with slotwise.slot():
+                    inside.append("grandchild")
+                    await anyio.sleep_forever()
+            finished.append("grandchild run")
+        except slotwise.RunCancelledError as exc:
+            finished.append("grandchild run cancelled")
+            raised_by.append(exc.run_id)
 
     async with anyio.create_task_group() as outer:
         for holder in holders:
             outer.start_soon(holder)
             await holder.held.wait()
-        async with slotwise.run(limiter=claude) as parent:
-            if where == "inside":
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(tool, tg)
+        # Inside: the parent's block is stopped (in its task group's exit) and raises.
+        # Outside: it ends before its next `await`, as a finished block does.
+        with run_cancelled() if where == "inside" else contextlib.nullcontext() as stopped:
+            async with slotwise.run(limiter=claude) as parent:
+                if where == "inside":
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(tool, tg)
+                        await until(lambda: len(children) == 2)
+                        if stage == "waiting":
+                            await until_stats(claude, active=2, queued=2)
+                        else:
+                            await until(lambda: len(inside) == 2)
+                        parent.cancel()
+                else:
+                    outer.start_soon(tool, outer)
                     await until(lambda: len(children) == 2)
                     if stage == "waiting":
                         await until_stats(claude, active=2, queued=2)
                     else:
                         await until(lambda: len(inside) == 2)
                     parent.cancel()
-            else:
-                outer.start_soon(tool, outer)
-                await until(lambda: len(children) == 2)
-                if stage == "waiting":
-                    await until_stats(claude, active=2, queued=2)
-                else:
-                    await until(lambda: len(inside) == 2)
-                parent.cancel()
         if stage == "waiting":
             await until_stats(claude, active=2, queued=0)
         else:
@@ -774,9 +810,13 @@ async def test_cancel_reaches_children_in_other_tasks(
             holder.stop.set()
     assert parent.cancelled
     assert all(child.cancelled for child in children)
-    assert "child body" not in finished
-    if where == "outside":  # their own run blocks end quietly in their own tasks
-        assert sorted(finished) == ["child run", "grandchild run"]
+    if where == "inside":  # the parent's scope stopped them: the parent's run raised
+        assert finished == []
+        assert isinstance(stopped, Stopped)
+        assert stopped.error.run_id == parent.run_id
+    else:  # their own runs stopped them, and raised in their own tasks
+        assert sorted(finished) == ["child run cancelled", "grandchild run cancelled"]
+        assert sorted(map(str, raised_by)) == sorted(child.run_id for child in children)
     for child in children:
         expected = (
             ["wait-started", "wait-cancelled"]
@@ -820,10 +860,11 @@ async def test_a_child_started_after_its_parent_was_cancelled_is_cancelled() -> 
 
         async def late_tool() -> None:
             nonlocal reached
-            async with slotwise.run() as child:
-                assert child.cancelled
-                await anyio.lowlevel.checkpoint()
-                reached = True
+            with run_cancelled():
+                async with slotwise.run() as child:
+                    assert child.cancelled
+                    await anyio.lowlevel.checkpoint()
+                    reached = True
 
         outer.start_soon(late_tool)
     assert not reached
@@ -833,13 +874,95 @@ async def test_a_child_started_after_its_parent_was_cancelled_is_cancelled() -> 
 async def test_cancelling_a_child_leaves_the_parent_running() -> None:
     claude = MemoryLimiter(name="claude", max_concurrent=1)
     async with slotwise.run(limiter=claude) as parent:
-        async with slotwise.run() as child:
-            child.cancel()
-            await anyio.lowlevel.checkpoint()
+        with run_cancelled() as raised:
+            async with slotwise.run() as child:
+                child.cancel()
+                await anyio.lowlevel.checkpoint()
+        assert (raised.error.run_id, raised.error.parent_run_id) == (
+            child.run_id,
+            parent.run_id,
+        )
         assert child.cancelled
         assert not parent.cancelled
         async with slotwise.slot() as held:
             assert held.run_id == parent.run_id
+
+
+async def test_a_cancelled_run_raises_so_that_no_code_after_its_block_runs() -> None:
+    """A function that returns from inside its run returns an answer or raises: never None."""
+    claude = MemoryLimiter(name="claude", max_concurrent=1)
+    started: list[slotwise.Run] = []
+
+    async def answer() -> str:
+        async with slotwise.run(limiter=claude) as run:
+            started.append(run)
+            async with slotwise.slot():
+                await anyio.sleep(60)
+            return "an answer"
+
+    async def stop() -> None:
+        await until(lambda: bool(started))
+        started[0].cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stop)
+        with run_cancelled() as raised:
+            await answer()
+    [run] = started
+    assert (raised.error.run_id, raised.error.root_run_id, raised.error.parent_run_id) == (
+        run.run_id,
+        run.run_id,
+        None,
+    )
+    assert raised.error.__suppress_context__  # the backend's cancellation is an internal
+    await assert_idle(claude)
+
+
+async def test_runs_nested_in_one_task_raise_once_for_the_outermost_cancelled_run() -> None:
+    after: list[str] = []
+    with run_cancelled() as raised:
+        async with slotwise.run() as parent:
+            async with slotwise.run() as child:
+                async with slotwise.run():
+                    parent.cancel()
+                    await anyio.lowlevel.checkpoint()
+                    after.append("grandchild body")
+                after.append("after the grandchild")
+            after.append("after the child")
+    assert raised.error.run_id == parent.run_id
+    assert child.cancelled
+    assert after == []
+
+
+async def test_a_run_cancelled_after_its_last_await_ends_as_a_finished_run() -> None:
+    """Cancellation stops a body at an `await`; a body that has none left has finished."""
+    async with slotwise.run() as run:
+        await anyio.lowlevel.checkpoint()
+        run.cancel()
+    assert run.cancelled
+    async with slotwise.run() as run:
+        await anyio.lowlevel.checkpoint()
+    assert not run.cancelled
+
+
+@mock_time()
+async def test_a_run_both_cancelled_and_out_of_time_raises_run_cancelled() -> None:
+    with run_cancelled():
+        async with slotwise.run(timeout=1.0) as run:
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(2.0)  # past the deadline
+            run.cancel()
+            await anyio.lowlevel.checkpoint()
+    assert anyio.current_time() >= 2.0
+
+
+@mock_time()
+async def test_a_run_out_of_time_raises_timeout_error() -> None:
+    with contextlib.suppress(TimeoutError):
+        async with slotwise.run(timeout=1.0):
+            await anyio.sleep(2.0)
+        pytest.fail("the run's budget did not stop it")
+    assert anyio.current_time() == 1.0
 
 
 # -- no limiter ---------------------------------------------------------------------------
@@ -1142,6 +1265,10 @@ async def test_random_agent_trees_never_exceed_the_limit(
             released.append(event.outcome)
 
     async def agent(node: dict[str, Any]) -> None:
+        with contextlib.suppress(slotwise.RunCancelledError):  # its own cancel_at
+            await agent_run(node)
+
+    async def agent_run(node: dict[str, Any]) -> None:
         nonlocal active, peak
         async with slotwise.run() as run:
             steps = 0

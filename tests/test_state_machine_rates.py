@@ -25,7 +25,7 @@ import math
 from collections.abc import Mapping
 
 import attrs
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -303,3 +303,38 @@ RatesMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_rates_pauses_and_limits = RatesMachine.TestCase
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    capacity=st.integers(1, 10**6),
+    per=st.floats(0.01, 3600.0),
+    start=st.floats(0.0, 1e7),
+    spent=st.floats(0.0, 1.0),
+    needed=st.floats(0.0, 1.0),
+)
+def test_a_request_short_of_tokens_is_granted_by_the_refill_it_waits_for(
+    capacity: int, per: float, start: float, spent: float, needed: float
+) -> None:
+    # The shell wakes a waiter at next_wake() and ticks: each wake must come later than the
+    # last (a wake at `now` spins forever on a virtual clock), and the refill it waits for
+    # must grant it, whatever float rounding does to the level.
+    rules = Rules(
+        max_concurrent=2,
+        workloads={"w": WorkloadRule(ceiling=2, reserved=0, priority=0)},
+        buckets={"tokens": BucketRule(kind="tokens", capacity=capacity, per=per)},
+    )
+    state = LimiterState(rules, max_queued=None, lease_ttl=1e12)
+    first, _ = state.submit("w", start, tokens=max(1, round(spent * capacity)))
+    assert first.lease is not None
+    ticket, _ = state.submit("w", start, tokens=max(1, round(needed * capacity)))
+    now = start
+    for _ in range(3):
+        if ticket.lease is not None:
+            return
+        wake = state.next_wake(now)
+        assert wake is not None
+        assert wake > now
+        now = wake
+        state.tick(now)
+    assert ticket.lease is not None

@@ -2,8 +2,9 @@
 
 Each snippet marks the lines where mypy must report an error with a comment
 ``# E[code]: text``; the error must have that code and its message must contain ``text``
-(for a typo in ``slot()``, the argument it is about). Every other line must type-check.
-mypy runs once, with explicit flags, independent of the project's configuration.
+(for a typo, the public class of the limiter: ``MemoryLimiter``, ``PostgresLimiter``).
+Every other line must type-check. mypy runs once, with explicit flags, independent of the
+project's configuration.
 """
 
 from __future__ import annotations
@@ -56,9 +57,15 @@ def expected_errors(path: Path) -> dict[int, Expected]:
 
 
 @pytest.fixture(scope="module")
-def reported() -> Mapping[str, dict[int, Reported]]:
-    """mypy's errors, by snippet file name and line."""
+def mypy_output() -> tuple[str, str]:
     stdout, stderr, _ = mypy_api.run([*FLAGS, *map(str, sorted(CASES.glob("*.py")))])
+    return stdout, stderr
+
+
+@pytest.fixture(scope="module")
+def reported(mypy_output: tuple[str, str]) -> Mapping[str, dict[int, Reported]]:
+    """mypy's errors, by snippet file name and line."""
+    stdout, stderr = mypy_output
     errors: dict[str, dict[int, Reported]] = {}
     for line in stdout.splitlines():
         match = REPORTED.match(line)
@@ -89,9 +96,14 @@ def check(name: str, reported: Mapping[str, dict[int, Reported]]) -> None:
 
 
 def test_the_snippets_mark_errors() -> None:
-    for name in ("literal_names.py", "strenum_names.py"):
+    for name, text in (
+        ("literal_names.py", '"slot" of "MemoryLimiter"'),
+        ("strenum_names.py", 'Argument "workload" to "slot"'),
+        ("postgres_names.py", '"slot" of "PostgresLimiter"'),
+        ("limiter_functions.py", "\"MemoryLimiter[Literal['interactive', 'background']]\""),
+    ):
         expected = expected_errors(CASES / name)
-        assert any(e.text == 'Argument "workload" to "slot"' for e in expected.values()), name
+        assert any(e.text is not None and text in e.text for e in expected.values()), name
 
 
 def test_a_literal_workload_typo_is_a_type_error(
@@ -110,3 +122,27 @@ def test_a_limiter_without_typed_names_needs_no_annotation(
     reported: Mapping[str, dict[int, Reported]],
 ) -> None:
     check("untyped_names.py", reported)
+
+
+def test_a_typo_in_any_function_that_takes_a_limiter_is_a_type_error(
+    reported: Mapping[str, dict[int, Reported]],
+) -> None:
+    """`slotwise.slot`, `acquire`, `sync_slot`, `run`, `slotwise.httpx.client`, `sync_client`,
+    `wrap`, `transport` and `ToolBox.tool`."""
+    check("limiter_functions.py", reported)
+
+
+def test_a_postgres_limiter_typo_is_a_type_error(
+    reported: Mapping[str, dict[int, Reported]],
+) -> None:
+    check("postgres_names.py", reported)
+
+
+def test_a_custom_limiter_takes_any_name(reported: Mapping[str, dict[int, Reported]]) -> None:
+    check("custom_limiter.py", reported)
+
+
+def test_no_message_names_a_private_class(mypy_output: tuple[str, str]) -> None:
+    stdout, _ = mypy_output
+    assert "error:" in stdout
+    assert "BuiltinLimiter" not in stdout

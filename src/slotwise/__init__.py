@@ -1,11 +1,16 @@
 """slotwise: how many requests to an LLM provider are in flight at once, and who goes first.
 
 Example:
-    >>> import slotwise
-    >>> claude = slotwise.MemoryLimiter(name="claude", max_concurrent=8)
-    >>> async def ask():
-    ...     async with claude.slot():
-    ...         ...  # one provider request, streaming included
+    ```python
+    import slotwise
+
+    claude = slotwise.MemoryLimiter(name="claude", max_concurrent=8)
+
+
+    async def ask():
+        async with claude.slot():
+            ...  # one provider request, streaming included
+    ```
 """
 
 from contextlib import suppress as _suppress
@@ -19,6 +24,7 @@ from ._errors import ConcurrencyLeaseLostError as ConcurrencyLeaseLostError
 from ._errors import ConcurrencyLimiterError as ConcurrencyLimiterError
 from ._errors import ConcurrencyQueueFullError as ConcurrencyQueueFullError
 from ._errors import ConcurrencyTimeoutError as ConcurrencyTimeoutError
+from ._errors import RunCancelledError as RunCancelledError
 from ._events import AcquiredEvent as AcquiredEvent
 from ._events import ConcurrencyEvent as ConcurrencyEvent
 from ._events import ConfigErrorEvent as ConfigErrorEvent
@@ -88,6 +94,7 @@ __all__ = (
     "ReleasedEvent",
     "RenewalFailedEvent",
     "Run",
+    "RunCancelledError",
     "RunContext",
     "Slot",
     "SlotContext",

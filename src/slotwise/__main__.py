@@ -1,10 +1,13 @@
-"""``python -m slotwise demo``: a short offline simulation of one limiter under load."""
+"""``python -m slotwise``: ``demo`` simulates a limiter under load; ``status`` shows the
+PostgresLimiters stored in a database."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _positive(text: str) -> float:
@@ -12,6 +15,73 @@ def _positive(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
+
+
+def _interval(text: str) -> float:
+    value = _positive(text)
+    if value < 0.1:
+        raise argparse.ArgumentTypeError(f"must be at least 0.1 seconds, got {text}")
+    return value
+
+
+def _status_command(commands: Any) -> None:
+    status = commands.add_parser(
+        "status",
+        help="show the PostgresLimiters stored in a database: limits, slots, queues, processes",
+        description=(
+            "A read-only view of PostgresLimiters, read from their tables: the stored limits, "
+            "active and queued requests per workload, the oldest waiter, the leases that "
+            "expire first, and each process's share. Needs slotwise[status]."
+        ),
+    )
+    status.add_argument(
+        "--dsn",
+        required=True,
+        help="a libpq conninfo or URI (postgresql://user@host/db); PG* variables apply",
+    )
+    status.add_argument("--name", help="one limiter (default: every limiter in the schema)")
+    status.add_argument(
+        "--schema", default="slotwise", help="the limiters' schema (default slotwise)"
+    )
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        type=_interval,
+        const=2.0,
+        metavar="SECONDS",
+        help="refresh in place every SECONDS (default 2) until Ctrl-C",
+    )
+    status.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON document instead (one per line with --watch)",
+    )
+
+
+def _status(args: argparse.Namespace) -> int:
+    try:
+        from .postgres._status import main as status_main
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("psycopg"):
+            raise
+        print(
+            f"slotwise status: needs {exc.name}: pip install 'slotwise[status]'",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        return status_main(
+            dsn=args.dsn,
+            name=args.name,
+            schema=args.schema,
+            watch=args.watch,
+            as_json=args.json,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
+    except BrokenPipeError:  # the reader has read enough (`| head -1`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,7 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="asyncio",
         help="the event loop (trio must be installed)",
     )
+    _status_command(commands)
     args = parser.parse_args(argv)
+    if args.command == "status":
+        return _status(args)
     if args.what == "tools":
         from ._demo_tools import main as tools_main
 

@@ -1,18 +1,17 @@
-"""What every built-in limiter offers beside the Limiter protocol: its settings, ``slot()``
-and ``subscribe()``."""
+"""What every built-in limiter offers beside the Limiter protocol: its settings and
+``subscribe()``. Each public limiter class defines its own ``slot()``, so that a type checker
+names that class, not this base, in an error about a workload's name."""
 
 from collections.abc import Callable, Mapping
-from typing import Generic, TypeVar
+from typing import Generic, cast
 
-from ._config import Settings, Workload, resolve_workload
+from ._config import Rate, Settings, Workload, resolve_workload
 from ._events import ConcurrencyEvent
+from ._protocol import W
 from ._runtime import dispatch
-from ._runtime.lifecycle import SlotContext, SyncSlotContext, slot, sync_slot
 from ._stats import BucketStats, LimiterStats, WorkloadStats
 
 __all__ = ("BuiltinLimiter",)
-
-W = TypeVar("W", bound=str)
 
 
 class BuiltinLimiter(Generic[W]):
@@ -43,9 +42,15 @@ class BuiltinLimiter(Generic[W]):
         return self._settings.lease_ttl
 
     @property
-    def workloads(self) -> Mapping[str, Workload]:
+    def rate(self) -> Rate | None:
+        """The provider's rate limits this limiter keeps (requests and tokens per period),
+        or None."""
+        return self._settings.rate
+
+    @property
+    def workloads(self) -> Mapping[W, Workload]:
         """The workloads, by name."""
-        return self._settings.workloads
+        return cast("Mapping[W, Workload]", self._settings.workloads)
 
     @property
     def default_workload(self) -> str | None:
@@ -62,26 +67,6 @@ class BuiltinLimiter(Generic[W]):
         if workload is None and settings.default_workload is not None:
             return settings.default_workload  # the common case, without a call
         return resolve_workload(settings, workload)
-
-    def slot(
-        self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
-    ) -> SlotContext[W]:
-        """`async with limiter.slot(workload=...)`: `slotwise.slot` with this limiter."""
-        return slot(workload, limiter=self, tokens=tokens, allow_nested=allow_nested)
-
-    def sync_slot(
-        self,
-        workload: W | None = None,
-        *,
-        timeout: float | None = None,
-        tokens: int | None = None,
-        allow_nested: bool = False,
-    ) -> SyncSlotContext[W]:
-        """`with limiter.sync_slot(workload=...)`: `slotwise.sync_slot` with this limiter,
-        for code with no event loop (a thread, a sync SDK client)."""
-        return sync_slot(
-            workload, limiter=self, timeout=timeout, tokens=tokens, allow_nested=allow_nested
-        )
 
     def subscribe(self, callback: Callable[[ConcurrencyEvent], object]) -> Callable[[], None]:
         """Receive every event of this limiter; returns the function that unsubscribes."""

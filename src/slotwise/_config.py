@@ -41,16 +41,27 @@ class Rate:
         tokens: Tokens per `per` seconds (the estimates given to `slot(tokens=...)`,
             corrected by `Slot.used_tokens()`); None: no token limit.
         per: The period, in seconds (60: per minute).
+        latency: Seconds a granted request may take to reach the provider. The provider
+            counts a request when it arrives, and while its bucket is full it loses the
+            refill of that time, which slotwise's bucket, charged at the grant, does not:
+            so each bucket grants only while the refill of `latency` seconds would be left
+            (`requests / per * latency` requests). A request then never reaches the provider
+            before the provider's own bucket holds it, and the pace is unchanged: a request
+            that waits for a bucket waits `latency` seconds longer. 0 (the default) keeps
+            nothing back; for a remote provider, the time a request takes to get there,
+            its connection's setup included (such as 0.5).
 
     Example:
         ```python
         Rate(requests=50, tokens=40_000)  # 50 RPM and 40k TPM
+        Rate(requests=50, tokens=40_000, latency=0.5)  # the same, never early at the provider
         ```
     """
 
     requests: int | None = None
     tokens: int | None = None
     per: float = 60.0
+    latency: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -157,12 +168,14 @@ def _rate(setting: str, rate: object) -> dict[str, BucketRule]:
     if not isinstance(rate, Rate):
         raise ConcurrencyConfigError(f"{setting} must be a slotwise.Rate, got {rate!r}")
     per = seconds(f"{setting}.per", rate.per, finite=True)
+    latency = seconds(f"{setting}.latency", rate.latency, allow_zero=True, finite=True)
     rules: dict[str, BucketRule] = {}
     for kind in ("requests", "tokens"):
         value = getattr(rate, kind)
         if value is not None:
             capacity = _positive_int(f"{setting}.{kind}", value)
-            rules[kind] = BucketRule(kind=kind, capacity=capacity, per=per)
+            reserve = capacity / per * latency
+            rules[kind] = BucketRule(kind=kind, capacity=capacity, per=per, reserve=reserve)
     if not rules:
         raise ConcurrencyConfigError(f"{setting} limits nothing: give requests, tokens or both")
     return rules

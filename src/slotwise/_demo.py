@@ -49,6 +49,7 @@ WIDTH = 78
 
 MAX_CONCURRENT = 8
 MAX_QUEUED = 200
+BACKGROUND_MAX_QUEUED = MAX_QUEUED - 20  # the rest of the queue stays open to interactive
 WORKLOADS = ("interactive", "background")
 
 # Arrivals per second of the demo, and the batch submitted at once part-way through.
@@ -69,7 +70,9 @@ def example_workloads() -> dict[str, Workload]:
     """The example workloads, with waits scaled to the demo's clock."""
     return {
         "interactive": Workload(reserved=2, priority=10, max_wait=_scaled(60.0)),
-        "background": Workload(max_concurrent=6, max_wait=_scaled(300.0)),
+        "background": Workload(
+            max_concurrent=6, max_wait=_scaled(300.0), max_queued=BACKGROUND_MAX_QUEUED
+        ),
     }
 
 
@@ -185,7 +188,9 @@ def variants() -> tuple[Variant, ...]:
             title="no reservation, priority kept",
             workloads={
                 "interactive": Workload(priority=10, max_wait=interactive.max_wait),
-                "background": Workload(max_wait=background.max_wait),
+                "background": Workload(
+                    max_wait=background.max_wait, max_queued=background.max_queued
+                ),
             },
         ),
         Variant(
@@ -193,7 +198,9 @@ def variants() -> tuple[Variant, ...]:
             title="no reservation, one first-come queue",
             workloads={
                 "interactive": Workload(max_wait=interactive.max_wait),
-                "background": Workload(max_wait=background.max_wait),
+                "background": Workload(
+                    max_wait=background.max_wait, max_queued=background.max_queued
+                ),
             },
         ),
     )
@@ -722,8 +729,14 @@ def bought(result: DemoResult) -> str:
     notes = "At once: the share of requests that got a slot without waiting."
     if any(f.workloads["interactive"].queue_full for f in result.fleets):
         notes += (
-            " Interactive requests were refused because max_queued counts every "
+            " Interactive requests were refused because the limiter's max_queued counts every "
             "workload's waiters, and a reservation keeps slots, not places in the queue."
+        )
+    elif any(f.workloads["background"].queue_full for f in result.fleets):
+        notes += (
+            f" Background requests past its own max_queued of {BACKGROUND_MAX_QUEUED} were "
+            f"refused, which kept {MAX_QUEUED - BACKGROUND_MAX_QUEUED} places of the queue "
+            "for interactive ones."
         )
     return "\n".join([_fill(heading), "", *columns(rows), "", _fill(notes)])
 
@@ -810,6 +823,13 @@ def figure(result: DemoResult) -> Any:
     queued.axhline(
         MAX_QUEUED, color="black", linestyle="--", linewidth=1, label="max_queued (all workloads)"
     )
+    queued.axhline(
+        BACKGROUND_MAX_QUEUED,
+        color="black",
+        linestyle=":",
+        linewidth=1,
+        label="background's max_queued",
+    )
     queued.legend(loc="center left", fontsize="small")
     interactive_queued.legend(loc="center left", fontsize="small", ncols=2)
     queued.set_title("background: requests waiting for a slot", loc="left", fontsize="medium")
@@ -882,7 +902,7 @@ def intro(seconds: float) -> str:
             f"  interactive  reserved {interactive.reserved}, priority {interactive.priority}, "
             f"max_wait {simulated(interactive.max_wait)}",
             f"  background   max_concurrent {background.max_concurrent}, "
-            f"max_wait {simulated(background.max_wait)}",
+            f"max_wait {simulated(background.max_wait)}, max_queued {background.max_queued}",
             _fill(
                 f"The provider is simulated (a lognormal time to first token, then streaming). "
                 f"Time runs {SPEEDUP:g} times faster: these {fmt_duration(seconds)} are "

@@ -1,7 +1,8 @@
 """The exception family of slotwise.
 
-Every error that slotwise raises for a slot derives from :class:`ConcurrencyError` and carries
-the limiter, the workload and the lineage of the request that failed.
+Every error that slotwise raises for a slot derives from `ConcurrencyError` and carries the
+limiter, the workload and the lineage of the request that failed. A run that ends early
+raises `RunCancelledError` (cancelled) or `TimeoutError` (its budget ran out).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ __all__ = (
     "ConcurrencyLimiterError",
     "ConcurrencyQueueFullError",
     "ConcurrencyTimeoutError",
+    "RunCancelledError",
 )
 
 _CONTEXT_FIELDS = (
@@ -113,3 +115,47 @@ class ConcurrencyLeaseLostError(ConcurrencyError):
     def __init__(self, message: str, *, lease_id: str | None = None, **context: str | None):
         super().__init__(message, **context)
         self.lease_id = lease_id
+
+
+class RunCancelledError(Exception):
+    """The run was cancelled while its body ran: raised as its `async with` block exits.
+
+    `Run.cancel()` (called on this run or an ancestor) stops the body at its next `await`,
+    releases its slots, and this error then leaves the block, so the code after the block
+    runs only when the body ran to its end, and a function that returns from inside a run
+    returns nothing else. Catch it where a cancelled run has something to do:
+
+    ```python
+    try:
+        async with slotwise.run(limiter=claude) as run:
+            return await agent(task)
+    except slotwise.RunCancelledError:
+        return "stopped"
+    ```
+
+    It is raised by the outermost cancelled run of the task (inner runs of the same task
+    let the cancellation reach it), and by each cancelled child run that runs in a task of
+    its own. It is not a `ConcurrencyError`: no slot request failed.
+
+    Attributes:
+        run_id: The run that was cancelled.
+        root_run_id: The root of its tree.
+        parent_run_id: Its parent, None for a root run.
+    """
+
+    run_id: str | None
+    root_run_id: str | None
+    parent_run_id: str | None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        run_id: str | None = None,
+        root_run_id: str | None = None,
+        parent_run_id: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.root_run_id = root_run_id
+        self.parent_run_id = parent_run_id

@@ -4,15 +4,28 @@ The runtime (``slotwise.slot``) owns the slot lifecycle: waiting bounds from the
 renewal, release, events and errors. A limiter owns allocation, queue order and storage.
 """
 
-from typing import Protocol, runtime_checkable
+import sys
+from collections.abc import Mapping
+from typing import Generic, Protocol, runtime_checkable
 
 import attrs
 
-__all__ = ("AcquireRequest", "Lease", "Limiter", "SupportsLease")
+if sys.version_info >= (3, 13):
+    from typing import TypeVar
+else:
+    from typing_extensions import TypeVar
+
+__all__ = ("AcquireRequest", "Lease", "Limiter", "SupportsLease", "TypedLimiter", "W")
+
+# A limiter's workload names: `str`, or a `Literal` or `StrEnum` of them. Written bare
+# (`MemoryLimiter`, `Limiter`, `AcquireRequest`), a class means names of any `str`.
+W = TypeVar("W", bound=str, default=str)
+W_co = TypeVar("W_co", bound=str, covariant=True, default=str)
+W_contra = TypeVar("W_contra", bound=str, contravariant=True, default=str)
 
 
 @attrs.frozen(kw_only=True)
-class AcquireRequest:
+class AcquireRequest(Generic[W_co]):
     """What ``Limiter.acquire`` is asked for.
 
     Attributes:
@@ -30,7 +43,7 @@ class AcquireRequest:
             rate limits: charged when the slot is granted.
     """
 
-    workload: str
+    workload: W_co
     request_id: str
     run_id: str | None = None
     root_run_id: str | None = None
@@ -66,7 +79,7 @@ class Lease:
 
 
 @runtime_checkable
-class Limiter(Protocol):
+class Limiter(Protocol[W_contra]):
     """Any object with these members backs a limit through ``slotwise.slot(limiter=obj)``.
 
     A limiter must allocate atomically, give leases that expire, make ``renew`` and
@@ -78,7 +91,14 @@ class Limiter(Protocol):
     renews (a third of it; 30 s when absent). Two more optional members inform the runtime
     and `slotwise.opentelemetry`: ``workloads``, a mapping of names to objects with
     ``max_wait``, ``max_concurrent`` and ``reserved`` (the ``wait-started`` deadline and the
-    limit metrics), and ``max_concurrent``.
+    limit metrics), and ``max_concurrent``. A class that defines ``stats_nowait()`` (the
+    `slotwise.LimiterStats` of now, without an `await`) gives `slotwise.opentelemetry` its
+    limit in force and its pause; without it, they are read from its events.
+
+    `Limiter[W]` is generic in the workload names it takes: written bare, `Limiter` takes any
+    `str`, as a custom limiter whose `acquire` takes a bare `AcquireRequest` does. A
+    `MemoryLimiter[Literal["a", "b"]]` is a `Limiter[Literal["a", "b"]]`, so a type checker
+    refuses other names wherever it is passed with a workload.
 
     Fast paths a limiter's class may define (looked up on the class, never on the instance,
     so a wrapper that forwards attributes with ``__getattr__`` still has its own ``renew``
@@ -90,7 +110,7 @@ class Limiter(Protocol):
     @property
     def name(self) -> str: ...
 
-    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+    async def acquire(self, request: AcquireRequest[W_contra]) -> SupportsLease:
         """Wait for a slot and return its lease.
 
         Raises:
@@ -106,3 +126,16 @@ class Limiter(Protocol):
     async def release(self, lease: SupportsLease) -> None:
         """Give a slot back. Idempotent."""
         ...
+
+
+class TypedLimiter(Limiter[W], Protocol[W]):
+    """A limiter whose workload names are typed: `MemoryLimiter[W]` and `PostgresLimiter[W]`.
+
+    Its `workloads` mapping ties `W` to one set of names (a mapping's keys are invariant), so
+    that `slotwise.slot(workload=..., limiter=...)` and the other functions that take both
+    check the name against the limiter's. A limiter that takes any `str` (a custom one, or
+    a built-in one with untyped names) is matched as a `Limiter[str]` first.
+    """
+
+    @property
+    def workloads(self) -> Mapping[W, object]: ...

@@ -58,9 +58,10 @@ class LimiterStats:
             `"<workload>.requests"` / `"<workload>.tokens"`).
 
     Example:
-        >>> stats = await claude.stats()  # doctest: +SKIP
-        >>> stats.active, stats.workloads["interactive"].queued  # doctest: +SKIP
-        (6, 0)
+        ```python
+        stats = await claude.stats()
+        print(stats.active, stats.workloads["interactive"].queued)  # 6 0
+        ```
     """
 
     active: int

@@ -9,8 +9,10 @@ included, by whichever task or thread closes it:
 from openai import AsyncOpenAI, OpenAI
 import slotwise.httpx
 
-openai = AsyncOpenAI(http_client=slotwise.httpx.client(limiter=claude, workload="interactive"))
-# In code with no event loop (Django, Flask, Celery, scripts), the sync SDK clients:
+openai = AsyncOpenAI(
+    http_client=slotwise.httpx.client(limiter=claude, workload="interactive")
+)
+# In code with no event loop (Django, Flask, Celery, scripts), the sync clients:
 openai_sync = OpenAI(http_client=slotwise.httpx.sync_client(limiter=claude))
 ```
 
@@ -20,6 +22,17 @@ it is garbage collected.
 
 slotwise's errors (`ConcurrencyTimeoutError`, `ConcurrencyQueueFullError`, ...) reach the
 caller of the SDK unchanged, and the SDK does not retry them: the wait already happened.
+
+What the provider says of its limits reaches the limiter too, for the OpenAI and Anthropic
+request shapes. With a token `Rate`, each request is charged an estimate when its slot is
+granted (its output cap, `max_tokens`, `max_completion_tokens` or `max_output_tokens`, plus
+its JSON body's size over 4) and the `usage` of its response corrects it (from a JSON body,
+or from the events of a stream that carry one). A 429, 529 or 503 pauses every new grant for
+the longest wait its headers give (`retry-after`, `retry-after-ms`, OpenAI's
+`x-ratelimit-reset-*`, Anthropic's `anthropic-ratelimit-*-reset`), or a backoff. Every
+response's `x-ratelimit-remaining-*` and `anthropic-ratelimit-*-remaining` counts lower the
+rate buckets when the provider has less left than slotwise thinks. A malformed header, or a
+limiter that fails to record any of this, never fails the response.
 
 Both HTTP stacks are served: `httpx2` (what `anthropic` 2.x requires and `openai` 3.x
 prefers) and the legacy `httpx`. Neither is imported until it is used.
@@ -37,7 +50,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cache, partial
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
@@ -45,8 +58,10 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 import anyio
 
 from . import ConcurrencyError, Outcome, ReclaimedEvent, Slot, acquire, current_run
-from ._config import seconds
+from ._config import Rate, seconds
 from ._errors import ConcurrencyConfigError
+from ._protocol import Limiter, TypedLimiter, W
+from ._provider import UsageMeter, estimate_tokens, read_rate_headers, usage_meter
 from ._runtime.lifecycle import acquire_sync, can_block, outcome_of
 from ._runtime.loop import later, loop_identity, now, spawn
 
@@ -71,12 +86,15 @@ _SDK_ERRORS = (("openai", "OpenAIError"), ("anthropic", "AnthropicError"))
 # How long a reclaimed response gets to close its connection before the slot goes back anyway.
 _CLOSE_TIMEOUT = 5.0
 _Why = Literal["idle", "collected"]
+# The statuses by which a provider refuses a request for its load: too many requests (429),
+# Anthropic's overloaded (529), unavailable (503).
+_PUSHBACK = frozenset({429, 503, 529})
 
 
 @overload
 def client(
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
     workload: str | None = None,
     stack: Literal["httpx2"] = "httpx2",
     idle_timeout: float | None = 60.0,
@@ -87,8 +105,30 @@ def client(
 @overload
 def client(
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
     workload: str | None = None,
+    stack: Literal["httpx"],
+    idle_timeout: float | None = 60.0,
+    **client_kwargs: Any,
+) -> httpx.AsyncClient: ...
+
+
+@overload
+def client(
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
+    stack: Literal["httpx2"] = "httpx2",
+    idle_timeout: float | None = 60.0,
+    **client_kwargs: Any,
+) -> httpx2.AsyncClient: ...
+
+
+@overload
+def client(
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
     stack: Literal["httpx"],
     idle_timeout: float | None = 60.0,
     **client_kwargs: Any,
@@ -97,7 +137,7 @@ def client(
 
 def client(
     *,
-    limiter: Any = None,
+    limiter: Limiter[Any] | None = None,
     workload: str | None = None,
     stack: Literal["httpx2", "httpx"] = "httpx2",
     idle_timeout: float | None = 60.0,
@@ -148,7 +188,7 @@ def client(
 @overload
 def sync_client(
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
     workload: str | None = None,
     stack: Literal["httpx2"] = "httpx2",
     idle_timeout: float | None = 60.0,
@@ -159,8 +199,30 @@ def sync_client(
 @overload
 def sync_client(
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
     workload: str | None = None,
+    stack: Literal["httpx"],
+    idle_timeout: float | None = 60.0,
+    **client_kwargs: Any,
+) -> httpx.Client: ...
+
+
+@overload
+def sync_client(
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
+    stack: Literal["httpx2"] = "httpx2",
+    idle_timeout: float | None = 60.0,
+    **client_kwargs: Any,
+) -> httpx2.Client: ...
+
+
+@overload
+def sync_client(
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
     stack: Literal["httpx"],
     idle_timeout: float | None = 60.0,
     **client_kwargs: Any,
@@ -169,7 +231,7 @@ def sync_client(
 
 def sync_client(
     *,
-    limiter: Any = None,
+    limiter: Limiter[Any] | None = None,
     workload: str | None = None,
     stack: Literal["httpx2", "httpx"] = "httpx2",
     idle_timeout: float | None = 60.0,
@@ -251,10 +313,30 @@ def _import(stack: str, function: str) -> ModuleType:
         ) from exc
 
 
+@overload
 def wrap(
     client: T,
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
+    workload: str | None = None,
+    idle_timeout: float | None = 60.0,
+) -> T: ...
+
+
+@overload
+def wrap(
+    client: T,
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
+    idle_timeout: float | None = 60.0,
+) -> T: ...
+
+
+def wrap(
+    client: T,
+    *,
+    limiter: Limiter[Any] | None = None,
     workload: str | None = None,
     idle_timeout: float | None = 60.0,
 ) -> T:
@@ -300,10 +382,30 @@ def wrap(
     return client
 
 
+@overload
 def transport(
     inner: T,
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
+    workload: str | None = None,
+    idle_timeout: float | None = 60.0,
+) -> T: ...
+
+
+@overload
+def transport(
+    inner: T,
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
+    idle_timeout: float | None = 60.0,
+) -> T: ...
+
+
+def transport(
+    inner: T,
+    *,
+    limiter: Limiter[Any] | None = None,
     workload: str | None = None,
     idle_timeout: float | None = 60.0,
 ) -> T:
@@ -413,6 +515,42 @@ def _limited(limiter: Any) -> bool:
     return run is not None and run.limiter is not None
 
 
+def _observes(limiter: Any) -> bool:
+    """Whether `limiter` keeps rate buckets that the provider's remaining counts can lower
+    (its class can be told them, and it has a `rate`, or does not say)."""
+    return (
+        hasattr(type(limiter), "observe_remaining")
+        and getattr(limiter, "rate", _Unknown) is not None
+    )
+
+
+class _Unknown:
+    """What a limiter that does not say whether it has a `rate` has."""
+
+
+def _token_capacity(limiter: Any, workload: str | None) -> int | None:
+    """The capacity of the smallest token bucket a request of `workload` draws from (the
+    limiter's `rate` and its workload's), resolved as `acquire()` resolves them; None when
+    the request's limiter counts no tokens."""
+    run = current_run()
+    if limiter is None:
+        limiter = None if run is None else run.limiter
+        if limiter is None:
+            return None
+    if workload is None and run is not None and run.limiter is limiter:
+        workload = run.workload
+    if workload is None:
+        workload = getattr(limiter, "default_workload", None)
+    workloads = getattr(limiter, "workloads", None)
+    spec = workloads.get(workload) if isinstance(workloads, Mapping) else None
+    capacities = [
+        rate.tokens
+        for rate in (getattr(limiter, "rate", None), getattr(spec, "rate", None))
+        if isinstance(rate, Rate) and rate.tokens is not None
+    ]
+    return min(capacities, default=None)
+
+
 def _passed_through_by_sdks(exc: ConcurrencyError) -> None:
     """Make `exc` also an instance of the loaded SDKs' base error classes.
 
@@ -492,14 +630,36 @@ class _SlotTransport:
             "no connection of the pool became free within the pool timeout", request=request
         )
 
+    def _estimate(self, request: Any) -> int | None:
+        """The request's token estimate when its limiter counts tokens (None when not), at
+        most what its smallest token bucket holds: a request costlier than that waits for a
+        full bucket, and its usage corrects the charge afterwards."""
+        most = _token_capacity(self._limiter, self._workload)
+        if most is None:
+            return None
+        try:
+            body = request.content
+        except Exception:  # a body sent as a stream (an upload): nothing to count
+            return 0
+        try:
+            return min(estimate_tokens(body), most)
+        except Exception as exc:
+            _logger.warning("slotwise: estimating a request's tokens failed: %r", exc)
+            return 0
+
     def _respond(self, attempt: _Attempt, response: Any, stream_class: type) -> Outcome | None:
         """Give `response` a body that holds the attempt's slot until it ends; or, when the
         body is already in memory (a mock, a cache), the outcome of the finished exchange.
 
-        The one place, for both faces, where an attempt learns from its response (its status
-        now; what else a response tells the limiter belongs here too)."""
+        The one place, for both faces, where an attempt learns from its response: its
+        status, the provider's rate-limit headers, and the usage its body will carry."""
         attempt.failed = response.status_code >= 400
+        attempt.learn(response)
         if isinstance(response.stream, self._in_memory):
+            if attempt.meter is not None:
+                body: Any = response.stream
+                for chunk in body:
+                    attempt.meter.feed(chunk)
             return "failed" if attempt.failed else "completed"
         attempt.hold(response.stream, self._open, self._idle_timeout)
         response.stream = stream_class(attempt)
@@ -523,10 +683,11 @@ class _AsyncFace(_SlotTransport):
 
     async def handle_async_request(self, request: Any) -> Any:
         gate = self._gate if _limited(self._limiter) else None
+        tokens = self._estimate(request)
         if gate is not None:
             await self._enter(gate, request)
         try:
-            slot = await acquire(self._workload, limiter=self._limiter)
+            slot = await acquire(self._workload, limiter=self._limiter, tokens=tokens)
         except BaseException as exc:
             self._no_slot(gate, exc)
             raise
@@ -534,7 +695,7 @@ class _AsyncFace(_SlotTransport):
             if gate is not None:
                 gate.release()
             return await self._inner.handle_async_request(request)
-        attempt = _AsyncAttempt(slot, gate)
+        attempt = _AsyncAttempt(slot, gate, tokens)
         try:
             response = await self._inner.handle_async_request(request)
         except BaseException as exc:
@@ -586,12 +747,13 @@ class _SyncFace(_SlotTransport):
 
     def handle_request(self, request: Any) -> Any:
         gate = self._gate if _limited(self._limiter) else None
+        tokens = self._estimate(request)
         if gate is not None:
             timeout = request.extensions.get("timeout", {}).get("pool")
             if not gate.acquire(timeout=timeout):
                 raise self._pool_timed_out(request)
         try:
-            slot = acquire_sync(self._workload, limiter=self._limiter)
+            slot = acquire_sync(self._workload, limiter=self._limiter, tokens=tokens)
         except BaseException as exc:
             self._no_slot(gate, exc)
             raise
@@ -599,7 +761,7 @@ class _SyncFace(_SlotTransport):
             if gate is not None:
                 gate.release()
             return self._inner.handle_request(request)
-        attempt = _SyncAttempt(slot, gate)
+        attempt = _SyncAttempt(slot, gate, tokens)
         try:
             response = self._inner.handle_request(request)
         except BaseException as exc:
@@ -653,17 +815,21 @@ class _Attempt:
         "gate",
         "idle_timeout",
         "last_read",
+        "meter",
         "open",
         "reading",
         "reclaimed",
         "slot",
         "started",
+        "tokens",
         "watch",
     )
 
-    def __init__(self, slot: Slot, gate: Any) -> None:
+    def __init__(self, slot: Slot, gate: Any, tokens: int | None = None) -> None:
         self.slot = slot
         self.gate = gate
+        self.tokens = tokens  # the estimate charged; None: the limiter counts no tokens
+        self.meter: UsageMeter | None = None  # reads the usage in the body as it passes
         self.started = self.clock()
         self.failed = False
         self.done = False
@@ -683,6 +849,48 @@ class _Attempt:
     def cancelled() -> type[BaseException]:
         """What says that the code was interrupted rather than failed."""
         raise NotImplementedError
+
+    def learn(self, response: Any) -> None:
+        """Tell the limiter what the response says of the provider's limits: what is left
+        (lowering the rate buckets), and a refusal for its load (429, 529, 503), which
+        refunds the token estimate and pauses new grants for as long as the headers say (a
+        backoff when they do not). Ready a meter for the usage in the body when the limiter
+        counts tokens. Never raises: a failure here must not fail the response."""
+        slot = self.slot
+        status = response.status_code
+        pushback = status in _PUSHBACK
+        headers = response.headers
+        if self.tokens is not None and not self.failed:
+            self.meter = _quietly(
+                slot,
+                usage_meter,
+                headers.get("content-type", ""),
+                headers.get("content-encoding", ""),
+            )
+        if not pushback and not _observes(slot.limiter):
+            return
+        said = _quietly(
+            slot, read_rate_headers, headers.multi_items(), time.time(), self.tokens or 0
+        )
+        if said is None:
+            return
+        if pushback and self.tokens:
+            _quietly(slot, slot.used_tokens, 0)  # refused: it used nothing
+        if said.requests is not None:
+            _quietly(slot, slot.provider_remaining, requests=said.requests)
+        if said.tokens is not None:
+            _quietly(slot, slot.provider_remaining, tokens=said.tokens)
+        if pushback:
+            _quietly(slot, slot.throttled, said.retry_after, reason=str(status))
+
+    def account(self, outcome: Outcome) -> None:
+        """Correct the token estimate with the usage the body carried, if it said."""
+        meter, self.meter = self.meter, None
+        if meter is None:
+            return
+        used = meter.total(outcome == "completed")
+        if used is not None:
+            _quietly(self.slot, self.slot.used_tokens, used)
 
     def hold(self, body: Any, open: set[_Attempt], idle_timeout: float | None) -> None:
         """Keep the slot while `body` is being read, and watch it for idleness."""
@@ -759,6 +967,21 @@ class _Attempt:
         )
 
 
+def _quietly(slot: Slot, function: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+    """Call `function`, which tells `slot`'s limiter what the provider said; a failure is
+    logged, never raised: what the limiter learns must not fail the response."""
+    try:
+        return function(*args, **kwargs)
+    except Exception as exc:
+        _logger.warning(
+            "slotwise: telling limiter %r what the provider said of its limits failed (%s): %r",
+            slot.limiter_name,
+            getattr(function, "__name__", function),
+            exc,
+        )
+        return None
+
+
 def _close_failed(exc: Exception) -> None:
     _logger.debug("slotwise: closing an abandoned response failed: %r", exc)
 
@@ -778,6 +1001,7 @@ class _AsyncAttempt(_Attempt):
         if not self._finish():
             return
         try:
+            self.account(outcome)
             await self.slot.release(outcome)
         finally:
             if self.gate is not None:
@@ -829,6 +1053,7 @@ class _SyncAttempt(_Attempt):
         if not self._finish():
             return
         try:
+            self.account(outcome)
             self.slot.release_sync(outcome)
         finally:
             if self.gate is not None:
@@ -1046,6 +1271,9 @@ class _AsyncSlotStream(_SlotStream):
             if self._iterator is None:
                 self._iterator = attempt.body.__aiter__()
             chunk: bytes = await self._iterator.__anext__()
+            meter = attempt.meter  # read once: another task may end the attempt
+            if meter is not None:
+                meter.feed(chunk)
         except BaseException as exc:
             try:
                 if isinstance(exc, StopAsyncIteration):
@@ -1093,6 +1321,9 @@ class _SyncSlotStream(_SlotStream):
             if self._iterator is None:
                 self._iterator = iter(attempt.body)
             chunk: bytes = next(self._iterator)
+            meter = attempt.meter  # read once: another task may end the attempt
+            if meter is not None:
+                meter.feed(chunk)
         except BaseException as exc:
             try:
                 if isinstance(exc, StopIteration):

@@ -9,11 +9,10 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, final, overload
+from typing import Any, final, overload
 
 from ._base import BuiltinLimiter
 from ._config import (
-    DEFAULT_LEASE_TTL,
     Adaptive,
     Rate,
     Settings,
@@ -25,24 +24,27 @@ from ._config import (
 from ._core.state import LeaseRecord, LimiterState, Tether, Ticket, holds
 from ._errors import ConcurrencyConfigError
 from ._events import LimitChangedEvent
-from ._protocol import AcquireRequest, Lease, SupportsLease
+from ._protocol import AcquireRequest, Lease, SupportsLease, W
 from ._runtime import dispatch
-from ._runtime.lifecycle import tethering
+from ._runtime.lifecycle import SlotContext, SyncSlotContext, sync_slot, tethering
 from ._runtime.loop import Loop, ThreadWaker, Waker, require
 from ._stats import BucketStats, LimiterStats
 
 __all__ = ("MemoryLimiter",)
 
-W = TypeVar("W", bound=str)
-
 _logger = logging.getLogger("slotwise")
 
 
-class _Unset:
-    """The default of a `set_limits()` keyword that was not given (None is a value)."""
+@final
+class Unchanged:
+    """The default of a `set_limits()` keyword: that setting stays as it is (None is a
+    value: no limit)."""
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
 
 
-_UNSET = _Unset()
+UNCHANGED = Unchanged()
 
 
 @final
@@ -67,6 +69,10 @@ class MemoryLimiter(BuiltinLimiter[W]):
         workloads: Named workloads sharing the capacity; default: one named `"default"`.
         default_workload: The workload of requests that name none; default: `"default"` if
             it exists, or the only workload.
+        rate: The provider account's request and token rates (`Rate`), checked with the
+            slots in one decision; None: no rate limit.
+        adaptive: An effective limit that backs off on the provider's pushback and climbs
+            back on success (`Adaptive`); None: the limit is `max_concurrent`.
 
     Raises:
         ConcurrencyConfigError: a setting is invalid; the message names it.
@@ -131,7 +137,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         name: str = "default",
         max_concurrent: int,
         max_queued: int | None = None,
-        lease_ttl: float = DEFAULT_LEASE_TTL,
+        lease_ttl: float = 30.0,
         workloads: Mapping[W, Workload] | None = None,
         default_workload: str | None = None,
         rate: Rate | None = None,
@@ -166,6 +172,26 @@ class MemoryLimiter(BuiltinLimiter[W]):
 
     # -- the user's surface ---------------------------------------------------------------
 
+    def slot(
+        self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
+    ) -> SlotContext[W]:
+        """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
+        return SlotContext(workload, self, allow_nested, tokens)
+
+    def sync_slot(
+        self,
+        workload: W | None = None,
+        *,
+        timeout: float | None = None,
+        tokens: int | None = None,
+        allow_nested: bool = False,
+    ) -> SyncSlotContext[W]:
+        """`with limiter.sync_slot(workload=...)`: `slotwise.sync_slot()` with this limiter,
+        for code with no event loop (a thread, a sync SDK client)."""
+        return sync_slot(
+            workload, limiter=self, timeout=timeout, tokens=tokens, allow_nested=allow_nested
+        )
+
     async def stats(self) -> LimiterStats:
         """Active and queued requests, in total and per workload."""
         await require().checkpoint()
@@ -195,11 +221,11 @@ class MemoryLimiter(BuiltinLimiter[W]):
         self,
         *,
         max_concurrent: int | None = None,
-        max_queued: int | _Unset | None = _UNSET,
+        max_queued: int | Unchanged | None = UNCHANGED,
         workloads: Mapping[W, Workload] | None = None,
-        default_workload: str | _Unset | None = _UNSET,
-        rate: Rate | _Unset | None = _UNSET,
-        adaptive: Adaptive | _Unset | None = _UNSET,
+        default_workload: str | Unchanged | None = UNCHANGED,
+        rate: Rate | Unchanged | None = UNCHANGED,
+        adaptive: Adaptive | Unchanged | None = UNCHANGED,
     ) -> None:
         """Change the limits at once, validated as the constructor validates them; what is
         not given stays as it is.
@@ -209,22 +235,36 @@ class MemoryLimiter(BuiltinLimiter[W]):
         `ConcurrencyConfigError`; slots held in it count until they are released. Emits
         `limit-changed` when the limit in force changes.
 
+        Args:
+            max_concurrent: The new limit; None: unchanged.
+            max_queued: The new queue bound (None: unbounded); `UNCHANGED` (the default):
+                unchanged.
+            workloads: The new workloads, replacing all of them; None: unchanged.
+            default_workload: As in the constructor; `UNCHANGED`: unchanged.
+            rate: As in the constructor (None: no rate limit); `UNCHANGED`: unchanged.
+            adaptive: As in the constructor (None: not adaptive); `UNCHANGED`: unchanged.
+
         Raises:
             ConcurrencyConfigError: a setting is invalid; nothing changed.
+
+        Example:
+            ```python
+            await claude.set_limits(max_concurrent=16, rate=Rate(requests=100))
+            ```
         """
         await require().checkpoint()
         settings = self._settings
         new = build_settings(
             name=settings.name,
             max_concurrent=settings.max_concurrent if max_concurrent is None else max_concurrent,
-            max_queued=settings.max_queued if isinstance(max_queued, _Unset) else max_queued,
+            max_queued=settings.max_queued if isinstance(max_queued, Unchanged) else max_queued,
             lease_ttl=settings.lease_ttl,
             workloads=settings.workloads if workloads is None else workloads,
             default_workload=settings.default_workload
-            if isinstance(default_workload, _Unset)
+            if isinstance(default_workload, Unchanged)
             else default_workload,
-            rate=settings.rate if isinstance(rate, _Unset) else rate,
-            adaptive=settings.adaptive if isinstance(adaptive, _Unset) else adaptive,
+            rate=settings.rate if isinstance(rate, Unchanged) else rate,
+            adaptive=settings.adaptive if isinstance(adaptive, Unchanged) else adaptive,
         )
         with self._lock:
             old_limit = self._state.rules.max_concurrent
@@ -291,7 +331,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
 
     # -- the Limiter protocol -------------------------------------------------------------
 
-    async def acquire(self, request: AcquireRequest) -> Lease:
+    async def acquire(self, request: AcquireRequest[W]) -> Lease:
         """Wait for a slot (see `slotwise.Limiter`); safe to cancel at any point.
 
         Most code takes slots with `slot()` instead, which runs the whole lifecycle.
@@ -332,7 +372,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             limit = state.rules.max_concurrent
             granted = state.release(lease.lease_id, self._clock())
             climbed = state.aimd is not None and state.rules.max_concurrent != limit
-            if not granted and not climbed:
+            if not granted and not climbed and not state.timed:
                 return
             wakers = self._settle(granted)
         _wake(wakers)
@@ -367,11 +407,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         """Wait for a slot until the earlier of `deadline` (on `loop`'s clock) and the
         workload's `max_wait`. The request takes a slot or its place in the queue before
         this yields (so arrival order is the order of calls), then yields once at least."""
-        with self._lock:
-            now = self._now(loop)
-            ticket, swept = self._state.submit(workload, now, tether, tokens)
-            wakers = self._settle(swept, ticket.lease)
-        _wake(wakers)
+        ticket = self._submit(workload, loop, tether, tokens)
         end = self._end(workload, ticket.enqueued_at, loop, deadline)
         try:
             parked = False
@@ -385,11 +421,26 @@ class MemoryLimiter(BuiltinLimiter[W]):
                         await loop.checkpoint_if_cancelled()
                     return record
                 await loop.park(waker, loop.now() + (until - self._clock()))
+                record = ticket.lease
+                if record is not None and not ticket.rate_waits and holds(record.tether):
+                    # The hand-off: granted while parked, to a holder that lives, so valid;
+                    # the grant passed the clock watch on already. A cancellation wins.
+                    await loop.checkpoint_if_cancelled()
+                    return record
                 parked = True
         except BaseException:
             # Cancelled while waiting, or as the slot was granted: give it back either way.
             self._leave(ticket)
             raise
+
+    def _submit(self, workload: str, loop: Loop, tether: Tether | None, tokens: int) -> Ticket:
+        # A call of its own: what it wakes is not kept alive by the frame of every waiter.
+        with self._lock:
+            now = self._now(loop)
+            ticket, swept = self._state.submit(workload, now, tether, tokens)
+            wakers = self._settle(swept, ticket.lease)
+        _wake(wakers)
+        return ticket
 
     def _take_blocking(
         self, workload: str, timeout: float | None, tether: Tether | None, tokens: int = 0
@@ -529,6 +580,11 @@ class MemoryLimiter(BuiltinLimiter[W]):
                 # A granted watcher may not resume soon (its loop may be stalled): hand its
                 # watch to another waiter of its thread now.
                 wakers += [t.waker for t in watchers.leave(ticket) if t.waker is not None]
+        if self._state.timed:
+            # A head may now wait for a bucket to refill: the clock watch must ring then.
+            wake = self._state.next_wake(self._clock())
+            if wake is not None:
+                expiries.append(wake)
         if expiries and watchers.alarms:
             wakers += watchers.earlier(min(expiries))
         return wakers
@@ -581,8 +637,9 @@ class _Watchers:
     Expiry needs no background task: a waiting request sets its timer to the earliest lease
     expiry as well as its own deadline. One waiter per thread does so (not every waiter: a
     herd of timers), and per thread, not per limiter, so that a stalled or paused event loop
-    delays nobody on another one. A watcher that leaves hands its watch to another waiter of
-    its thread, which it wakes so that it re-arms.
+    delays nobody on another one. A watcher that leaves hands its watch to the newest waiter
+    of its thread (grants go in arrival order: it leaves last, so a hand-off does not pass the
+    watch on at every grant), which it wakes so that it re-arms.
     """
 
     __slots__ = ("_waiting", "_watching", "alarms")
@@ -618,7 +675,7 @@ class _Watchers:
         self.alarms.pop(thread, None)
         if not waiting:
             return []
-        successor = self._watching[thread] = next(iter(waiting.values()))
+        successor = self._watching[thread] = next(reversed(waiting.values()))
         self.alarms[thread] = math.inf  # until it wakes up and re-arms
         return [successor]
 

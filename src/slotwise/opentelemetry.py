@@ -20,6 +20,7 @@ a prompt, a header, a body or an error message.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -43,6 +44,7 @@ OUTCOME = "slotwise.outcome"
 OPERATION = "slotwise.operation"
 ERROR_TYPE = "error.type"
 RECLAIMED_SOURCE = "slotwise.reclaimed.source"
+PAUSE_REASON = "slotwise.pause.reason"
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _USE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -235,6 +237,10 @@ class _Metrics(_Recorder):
         self._used: Counter[_Key] = Counter()
         self._waiting: dict[tuple[str, str | None], _Key] = {}
         self._holding: dict[tuple[str, str], _Key] = {}
+        # What the events said of a limiter's pushback state, by pool, for a limiter that
+        # cannot say it itself (no `stats_nowait()`): its limit in force, its pause's end.
+        self._limits: dict[str, int] = {}
+        self._paused_until: dict[str, float] = {}
         meter.create_observable_up_down_counter(
             "slotwise.slot.count",
             callbacks=[self._observe_count],
@@ -252,6 +258,20 @@ class _Metrics(_Recorder):
             callbacks=[self._observe_settings(_limit)],
             unit="{slot}",
             description="The limiter's max_concurrent.",
+        )
+        meter.create_observable_up_down_counter(
+            "slotwise.limiter.effective_max",
+            callbacks=[self._observe_settings(self._effective_limit)],
+            unit="{slot}",
+            description="The limit in force: max_concurrent, or lower while an adaptive "
+            "limit has backed off.",
+        )
+        meter.create_observable_gauge(
+            "slotwise.limiter.pause.remaining",
+            callbacks=[self._observe_settings(self._pause_remaining)],
+            unit="s",
+            description="Seconds until the pause after the provider's pushback ends; 0 when "
+            "the limiter is not paused.",
         )
         meter.create_observable_up_down_counter(
             "slotwise.workload.max",
@@ -302,6 +322,11 @@ class _Metrics(_Recorder):
             unit="{error}",
             description="Failures of the limiter itself, by operation and error type.",
         )
+        self._pauses = meter.create_counter(
+            "slotwise.limiter.pauses",
+            unit="{pause}",
+            description="Pauses of new grants after the provider pushed back (429, 529, 503).",
+        )
 
     # -- events ---------------------------------------------------------------------------
 
@@ -344,6 +369,14 @@ class _Metrics(_Recorder):
             case "release-failed":
                 self._end_use(event.limiter, event.lease_id)
                 self._error(attrs, "release", event.error)
+            case "paused":
+                with self._lock:
+                    until = self._paused_until.get(event.limiter, event.until)
+                    self._paused_until[event.limiter] = max(until, event.until)
+                self._pauses.add(1, {POOL: event.limiter, PAUSE_REASON: event.reason})
+            case "limit-changed":
+                with self._lock:
+                    self._limits[event.limiter] = event.new
 
     def _error(self, attrs: dict[str, str], operation: str, error: str) -> None:
         self._errors.add(1, {**attrs, OPERATION: operation, ERROR_TYPE: _error_type(error)})
@@ -366,6 +399,32 @@ class _Metrics(_Recorder):
             for table in tables:
                 for entry in [k for k in table if not self.covers(k[0])]:
                     del table[entry]
+            for pools in (self._limits, self._paused_until):
+                for pool in [pool for pool in pools if not self.covers(pool)]:
+                    del pools[pool]
+
+    def _pushback(self, limiter: Any) -> tuple[int | None, float | None]:
+        """A named limiter's limit in force and the end of its pause (seconds since the
+        epoch, None: not paused): from its `stats_nowait()` when its class has one (it
+        knows what happened before the call and in other processes), else from the events."""
+        stats_nowait = getattr(type(limiter), "stats_nowait", None)
+        if stats_nowait is not None:
+            try:
+                stats = stats_nowait(limiter)
+                return stats.effective_max_concurrent, stats.paused_until
+            except Exception:  # a limiter that cannot say now: what the events said
+                pass
+        pool = str(limiter.name)
+        with self._lock:
+            return self._limits.get(pool, _capacity(limiter)), self._paused_until.get(pool)
+
+    def _effective_limit(self, limiter: Any) -> Iterable[tuple[float, dict[str, str]]]:
+        limit, _ = self._pushback(limiter)
+        return [] if limit is None else [(limit, {})]
+
+    def _pause_remaining(self, limiter: Any) -> Iterable[tuple[float, dict[str, str]]]:
+        _, until = self._pushback(limiter)
+        return [(0.0 if until is None else max(0.0, until - time.time()), {})]
 
     # -- observations ---------------------------------------------------------------------
 
@@ -390,7 +449,7 @@ class _Metrics(_Recorder):
         return [Observation(n, {POOL: pool, WORKLOAD: w}) for (pool, w), n in pending]
 
     def _observe_settings(
-        self, read: Callable[[Any], Iterable[tuple[int, dict[str, str]]]]
+        self, read: Callable[[Any], Iterable[tuple[float, dict[str, str]]]]
     ) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
             return [

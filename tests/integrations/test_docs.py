@@ -12,6 +12,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,6 +39,15 @@ def program(page: str) -> types.ModuleType:
     return module
 
 
+def assert_corrected(limiter: Any, provider: FakeProvider) -> None:
+    """The page's metered call was charged its usage: the bucket is down by no more than
+    that (it refills at the tier's pace meanwhile), though its estimate was larger."""
+    cost, used = provider.charged[-1]
+    assert used < cost
+    bucket = limiter.stats_nowait().buckets["tokens"]
+    assert bucket.capacity - used - 1 <= bucket.level <= bucket.capacity
+
+
 async def test_openai_how_to(
     provider: FakeProvider, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -45,9 +55,10 @@ async def test_openai_how_to(
     monkeypatch.setenv("OPENAI_BASE_URL", f"{provider.url}/v1")
     module = program("how-to/openai.md")
     await module.main()
-    assert capsys.readouterr().out.splitlines() == ["ok", "t0 t1 t2", "ok"]
-    assert provider.requests == 3
+    assert capsys.readouterr().out.splitlines() == ["ok", "t0 t1 t2", "ok", "t0t1t2"]
+    assert provider.requests == 4
     assert (await module.llm.stats()).active == 0
+    assert_corrected(module.tier, provider)
 
 
 async def test_anthropic_how_to(
@@ -57,9 +68,10 @@ async def test_anthropic_how_to(
     monkeypatch.setenv("ANTHROPIC_BASE_URL", provider.url)
     module = program("how-to/anthropic.md")
     await module.main()
-    assert capsys.readouterr().out.splitlines() == ["ok", "t0t1t2"]
-    assert provider.requests == 2
+    assert capsys.readouterr().out.splitlines() == ["ok", "t0t1t2", "t0t1t2"]
+    assert provider.requests == 3
     assert (await module.claude.stats()).active == 0
+    assert_corrected(module.tier, provider)
 
 
 async def test_httpx_how_to(provider: FakeProvider) -> None:

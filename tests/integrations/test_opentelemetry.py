@@ -26,7 +26,7 @@ from opentelemetry.trace import StatusCode
 import slotwise
 import slotwise.httpx
 import slotwise.opentelemetry
-from slotwise import ConcurrencyEvent, MemoryLimiter, Workload
+from slotwise import Adaptive, ConcurrencyEvent, MemoryLimiter, Workload
 
 from ._helpers import closes_early
 from .conftest import FakeProvider
@@ -374,6 +374,73 @@ async def test_overlapping_instrument_calls_record_each_event_once(otel: Otel) -
     assert len(otel.failures()) == 4
 
 
+class Forwarding:
+    """A custom limiter in front of a MemoryLimiter: it can pause and adapt, but cannot say
+    its state outside an `await` (no `stats_nowait()`), so the events have to."""
+
+    def __init__(self, inner: MemoryLimiter[str]) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.max_concurrent = inner.max_concurrent
+
+    async def acquire(self, request: slotwise.AcquireRequest) -> slotwise.Lease:
+        return await self.inner.acquire(request)
+
+    async def renew(self, lease: slotwise.SupportsLease) -> slotwise.Lease | None:
+        return await self.inner.renew(lease)
+
+    async def release(self, lease: slotwise.SupportsLease) -> None:
+        await self.inner.release(lease)
+
+    def throttle(
+        self, lease: slotwise.SupportsLease | None, retry_after: float | None = None
+    ) -> tuple[float, tuple[int, int] | None]:
+        return self.inner.throttle(lease, retry_after)
+
+
+@pytest.mark.parametrize("anyio_backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["memory", "custom"])
+async def test_the_limit_in_force_and_the_pause_after_pushback(otel: Otel, kind: str) -> None:
+    memory = MemoryLimiter(name="claude", max_concurrent=8, adaptive=Adaptive(min_concurrent=2))
+    limiter: Any = memory if kind == "memory" else Forwarding(memory)
+    otel.instrument(limiter)
+    assert otel.value("slotwise.limiter.effective_max", pool="claude") == 8
+    assert otel.value("slotwise.limiter.pause.remaining", pool="claude") == 0
+    async with slotwise.slot(limiter=limiter) as slot:
+        slot.throttled(retry_after=30.0, reason="429")
+    assert otel.value("slotwise.limiter.effective_max", pool="claude") == 4
+    assert otel.value("slotwise.slot.max", pool="claude") == 8  # the configured limit
+    assert 25 < otel.value("slotwise.limiter.pause.remaining", pool="claude") <= 30
+    assert otel.value("slotwise.limiter.pauses", pool="claude", slotwise__pause__reason="429") == 1
+
+
+@pytest.mark.parametrize("anyio_backend", [MOCK_TRIO])
+async def test_the_pause_ends_and_the_limit_set_by_hand_is_reported(otel: Otel) -> None:
+    limiter = MemoryLimiter(name="claude", max_concurrent=8)
+    otel.instrument(limiter)
+    async with limiter.slot() as slot:
+        slot.throttled(retry_after=10.0)
+    assert (
+        otel.value("slotwise.limiter.pauses", pool="claude", slotwise__pause__reason="throttled")
+        == 1
+    )
+    await anyio.sleep(11.0)
+    assert otel.value("slotwise.limiter.pause.remaining", pool="claude") == 0
+    await limiter.set_limits(max_concurrent=3)
+    assert otel.value("slotwise.limiter.effective_max", pool="claude") == 3
+    assert otel.value("slotwise.slot.max", pool="claude") == 3
+
+
+async def test_a_limiter_instrumented_after_its_pushback_reports_it(otel: Otel) -> None:
+    """A MemoryLimiter says its state itself: the events before the call are not needed."""
+    limiter = MemoryLimiter(name="claude", max_concurrent=8, adaptive=Adaptive(min_concurrent=2))
+    async with limiter.slot() as slot:
+        slot.throttled(retry_after=30.0)
+    otel.instrument(limiter)
+    assert otel.value("slotwise.limiter.effective_max", pool="claude") == 4
+    assert otel.value("slotwise.limiter.pause.remaining", pool="claude") > 25
+
+
 class RecordingMeter(NoOpMeter):
     """Notes the kind and unit of every instrument created."""
 
@@ -394,6 +461,12 @@ class RecordingMeter(NoOpMeter):
     ) -> Any:
         self.created[name] = ("Asynchronous UpDownCounter", unit)
         return super().create_observable_up_down_counter(name, callbacks, unit, description)
+
+    def create_observable_gauge(
+        self, name: str, callbacks: Any = None, unit: str = "", description: str = ""
+    ) -> Any:
+        self.created[name] = ("Asynchronous Gauge", unit)
+        return super().create_observable_gauge(name, callbacks, unit, description)
 
 
 class RecordingMeterProvider(NoOpMeterProvider):

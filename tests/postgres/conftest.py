@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import anyio
 import pytest
@@ -30,7 +31,7 @@ DSN = os.environ.get("SLOTWISE_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5
 REQUIRED = os.environ.get("SLOTWISE_REQUIRE_SERVICES") == "1"
 
 
-def unavailable(reason: str) -> None:
+def unavailable(reason: str) -> NoReturn:
     """Skip, or fail when the services are required."""
     if REQUIRED:
         pytest.fail(f"{reason} (SLOTWISE_REQUIRE_SERVICES=1)")

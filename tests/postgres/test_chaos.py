@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import psycopg
@@ -27,9 +27,6 @@ import pytest
 
 import slotwise
 from slotwise.postgres import PostgresLimiter
-
-if TYPE_CHECKING:
-    from .conftest import Cluster
 
 pytestmark = pytest.mark.anyio
 
@@ -83,7 +80,7 @@ def finish(proc: subprocess.Popen[str]) -> dict[str, Any]:
 
 
 async def through(
-    cluster: Cluster, schema: str, fault: Callable[[], Awaitable[None]], **spec: Any
+    cluster: Any, schema: str, fault: Callable[[], Awaitable[None]], **spec: Any
 ) -> None:
     """Four workers take slots while ``fault`` strikes the server; then check what they saw."""
     spec = {
@@ -136,7 +133,7 @@ async def through(
         assert (stats.active, stats.queued) == (0, 0)
 
 
-async def test_a_server_restart_mid_run(cluster: Cluster, schema: str) -> None:
+async def test_a_server_restart_mid_run(cluster: Any, schema: str) -> None:
     async def restart() -> None:
         await anyio.to_thread.run_sync(cluster.stop)
         await anyio.sleep(0.5)
@@ -145,7 +142,7 @@ async def test_a_server_restart_mid_run(cluster: Cluster, schema: str) -> None:
     await through(cluster, schema, restart)
 
 
-async def test_a_kill_9_of_the_server(cluster: Cluster, schema: str) -> None:
+async def test_a_kill_9_of_the_server(cluster: Any, schema: str) -> None:
     async def kill() -> None:
         await anyio.to_thread.run_sync(cluster.kill)
         await anyio.sleep(0.5)
@@ -154,7 +151,7 @@ async def test_a_kill_9_of_the_server(cluster: Cluster, schema: str) -> None:
     await through(cluster, schema, kill)
 
 
-async def test_connections_cut(cluster: Cluster, schema: str) -> None:
+async def test_connections_cut(cluster: Any, schema: str) -> None:
     # The listening connections dropped again and again (grants then reach a waiter by the
     # next poll, every 0.5 s here, until the listener is back), then every connection at once.
     async def terminate(which: str) -> None:
@@ -174,7 +171,7 @@ async def test_connections_cut(cluster: Cluster, schema: str) -> None:
     await through(cluster, schema, cut, poll_interval=0.5)
 
 
-async def test_the_database_down_fails_closed_then_recovers(cluster: Cluster, schema: str) -> None:
+async def test_the_database_down_fails_closed_then_recovers(cluster: Any, schema: str) -> None:
     limiter: PostgresLimiter[Any] = PostgresLimiter(
         cluster.dsn, schema=schema, max_concurrent=1, db_timeout=1.0
     )

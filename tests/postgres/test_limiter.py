@@ -681,7 +681,7 @@ async def test_sync_code_is_refused_with_what_to_do(make: Any) -> None:
     limiter = make(max_concurrent=1)
 
     def in_a_thread() -> None:
-        with limiter.sync_slot():
+        with slotwise.sync_slot(limiter=limiter):
             pytest.fail("the body must not run")
 
     with pytest.raises(slotwise.ConcurrencyConfigError) as info:

@@ -32,14 +32,14 @@ async def correct() -> None:
 
 
 async def typos() -> None:
-    async with claude.slot(workload="typo"):  # E[arg-type]: Argument "workload" to "slot"
+    async with claude.slot(workload="typo"):  # E[arg-type]: "slot" of "MemoryLimiter"
         pass
-    async with claude.slot("interactiv"):  # E[arg-type]: Argument 1 to "slot"
+    async with claude.slot("interactiv"):  # E[arg-type]: Argument 1 to "slot" of "MemoryLimiter"
         pass
 
 
 def workload_from_elsewhere(name: str) -> None:
-    claude.slot(workload=name)  # E[arg-type]: Argument "workload" to "slot"
+    claude.slot(workload=name)  # E[arg-type]: Argument "workload" to "slot" of "MemoryLimiter"
 
 
 misnamed: MemoryLimiter[Name] = MemoryLimiter(

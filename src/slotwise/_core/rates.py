@@ -18,6 +18,8 @@ __all__ = ("Bank", "Bucket", "BucketRule", "Cost", "bucket_key")
 
 # What one request costs: units per bucket kind ("requests", "tokens").
 Cost = Mapping[str, int]
+# The share of a cost a refill may fall short by through float rounding alone.
+_ROUNDING = 1e-9
 
 
 def bucket_key(scope: str | None, kind: str) -> str:
@@ -28,15 +30,28 @@ def bucket_key(scope: str | None, kind: str) -> str:
 
 @attrs.frozen(kw_only=True)
 class BucketRule:
-    """One bucket's limit: ``capacity`` units per ``per`` seconds."""
+    """One bucket's limit: ``capacity`` units per ``per`` seconds, granting only while
+    ``reserve`` units would be left.
+
+    The reserve covers the time a granted request takes to reach the provider, which counts
+    it only then: a provider's bucket that is full in the meantime loses the refill that this
+    one, having charged at the grant, gets. A grant that leaves the refill of that time in
+    the bucket never reaches the provider before the provider's own bucket holds its cost.
+    """
 
     kind: str  # "requests" or "tokens"
     capacity: int
     per: float
+    reserve: float = 0.0
 
     @property
     def per_second(self) -> float:
         return self.capacity / self.per
+
+    def need(self, units: int) -> float:
+        """The level a grant of ``units`` needs (a request as large as the bucket needs it
+        full, whatever the reserve)."""
+        return min(float(self.capacity), units + self.reserve)
 
 
 @attrs.define(kw_only=True)
@@ -54,13 +69,19 @@ class Bucket:
             )
             self.updated = now
 
+    def holds(self, cost: int) -> bool:
+        """Whether the bucket can grant ``cost`` units now (refilled to ``updated``), but for
+        what float rounding of the refill leaves short at the moment `wait` named."""
+        return self.level >= self.rule.need(cost) * (1 - _ROUNDING)
+
     def wait(self, cost: int) -> float:
-        """Seconds until the bucket holds ``cost`` units (refilled to ``updated`` already)."""
-        if self.level >= cost:
-            return 0.0
+        """Seconds until the bucket can grant ``cost`` units (refilled to ``updated``
+        already)."""
         if cost > self.rule.capacity:
             return math.inf
-        return (cost - self.level) / self.rule.per_second
+        if self.holds(cost):
+            return 0.0
+        return (self.rule.need(cost) - self.level) / self.rule.per_second
 
 
 class Bank:

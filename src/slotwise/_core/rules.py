@@ -112,6 +112,22 @@ def allocate(
     """
     counts = dict(active)
     shared_used = shared_in_use(rules, counts)
+    rated = bank is not None and bool(bank)
+    if len(queues) == 1 and not rated:
+        # One workload waiting and no rates: its heads in order while it has room (the
+        # hand-off of most limiters), without choosing among workloads.
+        ((name, queue),) = queues.items()
+        reserved = rules.workloads[name].reserved
+        lone: list[E] = []
+        for head in queue:
+            if not has_room(rules, counts, name, shared_used):
+                break
+            lone.append(head)
+            held = counts.get(name, 0)
+            if held >= reserved:
+                shared_used += 1
+            counts[name] = held + 1
+        return lone
     cursors: dict[str, Iterator[E]] = {}
     heads: dict[str, E] = {}
     for name, queue in queues.items():
@@ -120,7 +136,6 @@ def allocate(
         if head is not _EMPTY:
             cursors[name] = cursor
             heads[name] = head
-    rated = bank is not None and bool(bank)
     claimed: set[str] = set()
     grants: list[E] = []
     while heads:
@@ -143,7 +158,7 @@ def allocate(
             assert cost is not None
             price = cost(heads[best])
             needs = list(bank.applying(best, price))
-            short = [key for key, bucket, units in needs if bucket.level < units]
+            short = [key for key, bucket, units in needs if not bucket.holds(units)]
             behind = [key for key, _, _ in needs if key in claimed]
             if short or behind:
                 claimed.update(key for key in short if key in price)  # the limiter's own

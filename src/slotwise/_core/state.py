@@ -219,11 +219,12 @@ class LimiterState:
         """Grant a slot now if the request would not have to wait, else take nothing (the
         caller then submits it). Only the plain case: nobody of its workload queued ahead,
         no lease to sweep, no rate bucket and no pause to consult."""
+        expiries = self._expiries
         if (
             self.bank.buckets
             or self.paused_until != _NEVER
             or self.queues[workload]
-            or (self._expiries and self._expiries[0][0] <= now)
+            or (expiries and expiries[0][0] <= now)
         ):
             return None
         rules = self.rules
@@ -236,7 +237,13 @@ class LimiterState:
                 return None
             self.shared_used += 1
         self.active[workload] = held + 1
-        return self._record(workload, now, tether)
+        # _record(), inlined: this is the path of every uncontended slot.
+        lease_id = f"{self._prefix}-{next(self._lease_seq)}"
+        epoch = 0 if self.aimd is None else self.aimd.epoch
+        record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether, epoch)
+        self.leases[lease_id] = record
+        heapq.heappush(expiries, (record.expires_at, lease_id))
+        return record
 
     def regrant(self, ticket: Ticket, now: float) -> list[Ticket]:
         """A granted ticket whose lease ran out before its waiter could use it (the waiter's
@@ -273,7 +280,11 @@ class LimiterState:
         record = self.leases.pop(lease_id, None)
         if record is None:
             return []
-        self._drop(record)
+        workload = record.workload  # _drop(), inlined: the path of every release
+        held = self.active[workload] - 1
+        self.active[workload] = held
+        if held >= self.rules.workloads[workload].reserved:
+            self.shared_used -= 1
         if len(self._expiries) > 2 * len(self.leases) + 64:
             self._compact()
         if not record.throttled:
@@ -539,7 +550,10 @@ class LimiterState:
 
     def _blocked(self, ticket: Ticket, keys: list[str], wait: float, now: float) -> None:
         _waited(ticket, keys)
-        self._refill_at = min(self._refill_at, now + wait)
+        # Strictly later than now, even when rounding makes `now + wait` equal it: a waiter
+        # woken at `now` again would spin without the clock moving (a virtual clock never
+        # moves while a task runs).
+        self._refill_at = min(self._refill_at, max(now + wait, math.nextafter(now, math.inf)))
 
 
 def _waited(ticket: Ticket, reasons: list[str]) -> None:

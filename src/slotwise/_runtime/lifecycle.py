@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from functools import partial
 from types import TracebackType
-from typing import Any, Generic, NoReturn, TypeVar, final
+from typing import Any, Generic, NoReturn, TypeVar, final, overload
 
 import anyio
 
@@ -59,11 +59,12 @@ from .._events import (
     WaitCancelledEvent,
     WaitStartedEvent,
 )
-from .._protocol import AcquireRequest, SupportsLease
+from .._protocol import AcquireRequest, Limiter, SupportsLease, TypedLimiter, W
 from . import dispatch, keeper
 from .keeper import lease_ttl
 from .loop import Loop, TrioLoop, current, require
-from .runs import Run, current_run
+from .runs import Run
+from .runs import _current as _current_run
 
 __all__ = (
     "Slot",
@@ -75,8 +76,6 @@ __all__ = (
     "slot",
     "sync_slot",
 )
-
-W = TypeVar("W", bound=str)
 
 _logger = logging.getLogger("slotwise")
 _prefix = secrets.token_hex(4)
@@ -515,10 +514,30 @@ _ERROR_EVENTS: tuple[tuple[type[ConcurrencyError], Any], ...] = (
 )
 
 
+@overload
 async def acquire(
     workload: str | None = None,
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
+    tokens: int | None = None,
+    allow_nested: bool = False,
+) -> Slot: ...
+
+
+@overload
+async def acquire(
+    workload: W | None = None,
+    *,
+    limiter: TypedLimiter[W],
+    tokens: int | None = None,
+    allow_nested: bool = False,
+) -> Slot: ...
+
+
+async def acquire(
+    workload: str | None = None,
+    *,
+    limiter: Limiter[Any] | None = None,
     tokens: int | None = None,
     allow_nested: bool = False,
 ) -> Slot:
@@ -552,7 +571,7 @@ async def acquire(
         await loop.checkpoint()
     elif _take_at_once(slot, loop):
         try:
-            await loop.checkpoint()
+            await loop.turn()
         except BaseException as exc:
             _not_entered(slot, run, loop, exc)
         try:
@@ -742,7 +761,7 @@ def _request(
         raise ConcurrencyConfigError(
             f"tokens must be None or a non-negative integer, got {tokens!r}"
         )
-    run = current_run()
+    run = _current_run.get()
     if limiter is None:
         limiter = run.limiter if run is not None else None
         if limiter is None:
@@ -946,17 +965,33 @@ class SlotContext(Generic[W]):
         self._tokens = tokens
 
     async def __aenter__(self) -> Slot:
-        slot = await acquire(
-            self._workload,
-            limiter=self._limiter,
-            tokens=self._tokens,
-            allow_nested=self._allow_nested,
-        )
-        if slot.lease is None:
+        # acquire(), inlined: one coroutine less on the path of every provider request.
+        loop = current() or require()
+        slot, run = _request(self._workload, self._limiter, self._allow_nested, loop, self._tokens)
+        if slot.limiter is None:
+            await loop.turn()
             return slot
-        _enter(self, slot, sys._getframe(1))
+        if _take_at_once(slot, loop):
+            try:
+                await loop.turn()
+            except BaseException as exc:
+                _not_entered(slot, run, loop, exc)
+            try:
+                _entered(slot, run, loop, None)
+            except BaseException:  # a subscriber's KeyboardInterrupt: nobody holds it
+                slot.release_sync("cancelled")
+                raise
+        else:
+            await _wait(slot, run, loop)
+        # _enter(), inlined.
+        slot._context = self
+        slot._token = _holding.set((*_holding.get(), slot))
+        frame = sys._getframe(1)
+        if frame.f_code.co_flags & _CO_ASYNC_GENERATOR:
+            slot._frame = frame
+            _in_generators[id(frame)] = slot
         if slot._keeper is not None:  # a lease that can be lost: the body can be cancelled
-            scope = slot._scope = require().cancel_scope()
+            scope = slot._scope = loop.cancel_scope()
             scope.__enter__()
         return slot
 
@@ -966,9 +1001,18 @@ class SlotContext(Generic[W]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        slot = _exit(self, sys._getframe(1))
-        if slot is None:
-            return  # nothing was limited
+        held = _holding.get()
+        slot = held[-1] if held else None
+        if slot is not None and slot._context is self and slot._frame is None:
+            # The usual case, _exit() inlined: the innermost slot of this task.
+            try:
+                _holding.reset(slot._token)
+            except ValueError:  # set in another context: take it out by hand
+                _holding.set(held[:-1])
+        else:
+            slot = _exit(self, sys._getframe(1))
+            if slot is None:
+                return  # nothing was limited
         lost = False
         scope, slot._scope = slot._scope, None
         if scope is not None:
@@ -989,10 +1033,10 @@ class SlotContext(Generic[W]):
         else:
             outcome = outcome_of(exc, require().cancelled)
         nowait = getattr(type(slot.limiter), "release_nowait", None)
-        if nowait is not None and not slot._released:
-            slot._release_nowait(nowait, outcome)  # no coroutine of its own
-        else:
+        if nowait is None or slot._released:
             await slot.release(outcome)
+        else:
+            slot._release_nowait(nowait, outcome)  # Slot.release(), without a coroutine
         if lost:
             raise ConcurrencyLeaseLostError(
                 "the slot's lease was lost while the body ran; the body was cancelled",
@@ -1001,13 +1045,33 @@ class SlotContext(Generic[W]):
             ) from None
 
 
+@overload
+def slot(
+    workload: str | None = None,
+    *,
+    limiter: Limiter[str] | None = None,
+    tokens: int | None = None,
+    allow_nested: bool = False,
+) -> SlotContext[str]: ...
+
+
+@overload
 def slot(
     workload: W | None = None,
     *,
-    limiter: Any = None,
+    limiter: TypedLimiter[W],
     tokens: int | None = None,
     allow_nested: bool = False,
-) -> SlotContext[W]:
+) -> SlotContext[W]: ...
+
+
+def slot(
+    workload: str | None = None,
+    *,
+    limiter: Limiter[Any] | None = None,
+    tokens: int | None = None,
+    allow_nested: bool = False,
+) -> SlotContext[Any]:
     """Hold one slot around one provider request: `async with slotwise.slot(): ...`.
 
     Args:
@@ -1083,14 +1147,36 @@ class SyncSlotContext(Generic[W]):
             slot.release_sync(outcome_of(exc, KeyboardInterrupt))
 
 
+@overload
 def sync_slot(
-    workload: W | None = None,
+    workload: str | None = None,
     *,
-    limiter: Any = None,
+    limiter: Limiter[str] | None = None,
     timeout: float | None = None,
     tokens: int | None = None,
     allow_nested: bool = False,
-) -> SyncSlotContext[W]:
+) -> SyncSlotContext[str]: ...
+
+
+@overload
+def sync_slot(
+    workload: W | None = None,
+    *,
+    limiter: TypedLimiter[W],
+    timeout: float | None = None,
+    tokens: int | None = None,
+    allow_nested: bool = False,
+) -> SyncSlotContext[W]: ...
+
+
+def sync_slot(
+    workload: str | None = None,
+    *,
+    limiter: Limiter[Any] | None = None,
+    timeout: float | None = None,
+    tokens: int | None = None,
+    allow_nested: bool = False,
+) -> SyncSlotContext[Any]:
     """Hold one slot in code with no event loop: `with slotwise.sync_slot(limiter=claude):`.
 
     The thread blocks until a slot is free, `timeout` seconds pass, the workload's

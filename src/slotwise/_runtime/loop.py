@@ -1,7 +1,7 @@
 """The running event loop (asyncio or trio), asked once per slot and then directly.
 
 ``anyio`` looks the backend up on every call; a slot needs the clock, a checkpoint, a way to
-park and a way to be woken, so :func:`current` finds the running loop once and returns an
+park and a way to be woken, so `current()` finds the running loop once and returns an
 object that answers all of these without further lookups. The answers are exactly anyio's:
 ``loop.time()`` on asyncio, ``trio.current_time()`` on trio (a ``MockClock`` included).
 
@@ -59,9 +59,10 @@ class Waker:
 class Loop:
     """The running event loop, as the slot lifecycle and the limiters use it."""
 
-    __slots__ = ("cancelled", "clock", "identity", "keeper", "thread", "virtual")
+    __slots__ = ("cancelled", "clock", "identity", "keeper", "thread", "turn", "virtual")
 
     clock: Callable[[], float]  # now(), as a plain callable: the hot path calls it directly
+    turn: Callable[[], Awaitable[None]]  # checkpoint() without a coroutine of ours around it
 
     keeper: Any  # the lease keeper of this loop (slotwise._runtime.keeper), once started
     # The loop's clock object when it does not follow real time (trio's MockClock, which
@@ -87,9 +88,10 @@ class Loop:
         """A new waker for the current task."""
         raise NotImplementedError
 
-    async def park(self, waker: Any, until: float) -> None:
+    def park(self, waker: Any, until: float) -> Awaitable[None]:
         """Wait until ``waker`` is woken or the loop's clock reaches ``until`` (``inf``:
-        no timer). Returns normally either way; a cancellation of the task raises."""
+        no timer). Returns normally either way; a cancellation of the task raises. Without a
+        timer, the waker's own awaitable: no coroutine frame per waiting request."""
         raise NotImplementedError
 
     def cancel_scope(self) -> Any:
@@ -108,6 +110,10 @@ class Loop:
 
 
 # -- asyncio ----------------------------------------------------------------------------------
+
+
+def _sleep0() -> Awaitable[None]:
+    return asyncio.sleep(0)
 
 
 def _set_future(future: asyncio.Future[None]) -> None:
@@ -141,6 +147,21 @@ def _start_asyncio(loop: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[N
     task.add_done_callback(_background.discard)
 
 
+def _anyio_asyncio_checkpoint() -> Callable[[], Awaitable[None]]:
+    """anyio's checkpoint_if_cancelled() for asyncio, without its per-call look-up of the
+    running library (a third of the cost of a hand-off's check)."""
+    try:
+        from anyio._core._eventloop import get_async_backend
+
+        backend = get_async_backend("asyncio")
+        return backend.checkpoint_if_cancelled
+    except Exception:  # anyio's internals moved: its public function
+        return anyio.lowlevel.checkpoint_if_cancelled
+
+
+_anyio_checkpoint_if_cancelled = _anyio_asyncio_checkpoint()
+
+
 class AsyncioLoop(Loop):
     __slots__ = ("loop",)
 
@@ -152,6 +173,7 @@ class AsyncioLoop(Loop):
         # The standard loops' time() is time.monotonic() behind a Python call; skip the call.
         standard = getattr(type(loop), "time", None) is asyncio.BaseEventLoop.time
         self.clock = time.monotonic if standard else loop.time
+        self.turn = _sleep0
         self.thread = _ident()
         self.cancelled = asyncio.CancelledError
 
@@ -159,7 +181,7 @@ class AsyncioLoop(Loop):
         await asyncio.sleep(0)
 
     async def checkpoint_if_cancelled(self) -> None:
-        await anyio.lowlevel.checkpoint_if_cancelled()  # anyio's cancel scopes
+        await _anyio_checkpoint_if_cancelled()  # anyio's cancel scopes
         task = asyncio.current_task()
         if task is not None and task.cancelling():  # a native task.cancel()
             await asyncio.sleep(0)
@@ -167,10 +189,10 @@ class AsyncioLoop(Loop):
     def waker(self) -> _FutureWaker:
         return _FutureWaker(self.loop, self.thread)
 
-    async def park(self, waker: _FutureWaker, until: float) -> None:
-        if until == math.inf:
-            await waker.future
-            return
+    def park(self, waker: _FutureWaker, until: float) -> Awaitable[None]:
+        return waker.future if until == math.inf else self._park_until(waker, until)
+
+    async def _park_until(self, waker: _FutureWaker, until: float) -> None:
         timer = self.loop.call_at(until, _set_future, waker.future)
         try:
             await waker.future
@@ -242,6 +264,7 @@ class TrioLoop(Loop):
             clock if testing is not None and isinstance(clock, testing.MockClock) else None
         )
         self.clock = clock.current_time  # what trio.current_time() reads, without its checks
+        self.turn = trio.lowlevel.checkpoint
 
     async def checkpoint(self) -> None:
         await self._trio.lowlevel.checkpoint()
@@ -252,10 +275,10 @@ class TrioLoop(Loop):
     def waker(self) -> _TrioWaker:
         return _TrioWaker(self.identity, self.thread)
 
-    async def park(self, waker: _TrioWaker, until: float) -> None:
-        if until == math.inf:
-            await waker.wait()
-            return
+    def park(self, waker: _TrioWaker, until: float) -> Awaitable[None]:
+        return waker.wait() if until == math.inf else self._park_until(waker, until)
+
+    async def _park_until(self, waker: _TrioWaker, until: float) -> None:
         with self._trio.CancelScope(deadline=until):
             await waker.wait()
 
@@ -302,16 +325,29 @@ class _Cache(threading.local):
 _cache = _Cache()
 
 
+_trio_context: Any = None  # trio's per-thread run context, once trio is imported
+
+
 def current() -> Loop | None:
     """The running loop of this thread, or None when no event loop runs here."""
+    global _trio_context
     cache = _cache
     # trio first: in trio's guest mode on an asyncio host, both answer, and trio's is ours.
-    trio = sys.modules.get("trio")
-    if trio is not None and trio.lowlevel.in_trio_run():
-        token = trio.lowlevel.current_trio_token()
-        if cache.key is not token:
-            cache.loop = TrioLoop(token)
-            cache.key = token
+    # One attribute read of trio's run context, where its public functions (in_trio_run,
+    # current_trio_token) add calls and their interrupt protection.
+    context = _trio_context
+    if context is None and "trio._core._run" in sys.modules:
+        context = getattr(sys.modules["trio._core._run"], "GLOBAL_RUN_CONTEXT", None)
+        _trio_context = context
+        if context is None:  # trio's internals moved: its public functions
+            trio = sys.modules["trio"]
+            if trio.lowlevel.in_trio_run():
+                return TrioLoop(trio.lowlevel.current_trio_token())
+    runner = None if context is None else getattr(context, "runner", None)
+    if runner is not None:
+        if cache.key is not runner:
+            cache.loop = TrioLoop(sys.modules["trio"].lowlevel.current_trio_token())
+            cache.key = runner
         return cache.loop
     running = _get_running_loop()
     if running is None:

@@ -8,11 +8,12 @@ import uuid
 import weakref
 from contextvars import ContextVar, Token
 from types import TracebackType
-from typing import Any, final
+from typing import Any, final, overload
 
 import anyio
 
-from .._errors import ConcurrencyConfigError
+from .._errors import ConcurrencyConfigError, RunCancelledError
+from .._protocol import Limiter, TypedLimiter, W
 from .loop import Loop, current, require
 
 __all__ = ("Run", "RunContext", "current_run", "run")
@@ -99,11 +100,13 @@ class Run:
     def cancel(self) -> None:
         """Cancel this run and every child run, wherever it runs.
 
-        A waiting request leaves its queue (a ``wait-cancelled`` event); a running body is
-        cancelled and its slot released (a ``released`` event with outcome ``"cancelled"``).
-        The run's ``async with`` block then ends without an error, as an anyio cancel scope
-        does. A child run started later is cancelled as it starts. Calling it again does
-        nothing more.
+        A waiting request leaves its queue (a `wait-cancelled` event); a running body is
+        cancelled at its next `await` and its slot released (a `released` event with
+        outcome `"cancelled"`). The run's `async with` block then raises
+        `slotwise.RunCancelledError`: the code after the block runs only when the body ran
+        to its end (a body that ends before its next `await` ends as a finished one does).
+        A child run started later is cancelled as it starts. Calling it again does nothing
+        more.
         """
         self._cancelled = True
         here = current()
@@ -168,7 +171,11 @@ def _refuse(
 
 @final
 class RunContext:
-    """``async with`` form of :func:`run`: yields the :class:`Run`; ends it on exit."""
+    """`async with` form of `slotwise.run()`: yields the `Run`, ends it on exit.
+
+    Its exit raises `RunCancelledError` when the run was cancelled while its body ran, and
+    `TimeoutError` when the run's budget ended it; it never ends a stopped body quietly.
+    """
 
     __slots__ = ("_limiter", "_run", "_run_id", "_timeout", "_token", "_workload")
 
@@ -243,28 +250,52 @@ class RunContext:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> None:
         run = self._run
         assert run is not None
         assert self._token is not None
         _current.reset(self._token)
         self._token = None
         swallowed = run._scope.__exit__(exc_type, exc, tb)
-        if (
-            run._scope.cancelled_caught
-            and not run._cancelled
-            and run.deadline is not None
-            and anyio.current_time() >= run.deadline
-        ):
-            # Our own scope stopped the body at the deadline: say so, rather than ending
-            # quietly as a cancelled run does.
+        if exc is None or not swallowed:
+            return  # the body ended, or its exception (an outer cancellation) goes on
+        # Our own scope stopped the body. The block never ends quietly: the code after it
+        # would take a stopped body for a finished one (and a function that returns from
+        # inside the run would return None).
+        deadline = run.deadline
+        if not run._cancelled and deadline is not None and anyio.current_time() >= deadline:
             raise TimeoutError(f"run {run.run_id} ran out of its time budget") from exc
-        return bool(swallowed)
+        raise RunCancelledError(
+            f"run {run.run_id} was cancelled",
+            run_id=run.run_id,
+            root_run_id=run.root_run_id,
+            parent_run_id=run.parent_run_id,
+        ) from None
+
+
+@overload
+def run(
+    *,
+    limiter: Limiter[str] | None = None,
+    workload: str | None = None,
+    timeout: float | None = None,
+    run_id: str | None = None,
+) -> RunContext: ...
+
+
+@overload
+def run(
+    *,
+    limiter: TypedLimiter[W],
+    workload: W | None = None,
+    timeout: float | None = None,
+    run_id: str | None = None,
+) -> RunContext: ...
 
 
 def run(
     *,
-    limiter: Any = None,
+    limiter: Limiter[Any] | None = None,
     workload: str | None = None,
     timeout: float | None = None,
     run_id: str | None = None,
@@ -290,10 +321,14 @@ def run(
             lineage.
         TimeoutError: on exit, when the budget ended while the body ran (the body was
             cancelled and its slot released).
+        RunCancelledError: on exit, when the run was cancelled (`Run.cancel()`, on it or
+            an ancestor) while the body ran.
 
     Example:
-        >>> async with slotwise.run(limiter=claude, workload="background", timeout=120):
-        ...     async with slotwise.slot():
-        ...         ...  # doctest: +SKIP
+        ```python
+        async with slotwise.run(limiter=claude, workload="background", timeout=120):
+            async with slotwise.slot():  # claude's, for the background workload
+                ...
+        ```
     """
     return RunContext(limiter, workload, timeout, run_id)

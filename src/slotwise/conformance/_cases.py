@@ -10,6 +10,7 @@ can only let a slow bug pass, never fail a correct limiter.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,7 +19,7 @@ import anyio
 import attrs
 from anyio.lowlevel import checkpoint
 
-from .._config import Workload
+from .._config import Rate, Workload
 from .._errors import (
     ConcurrencyConfigError,
     ConcurrencyLeaseLostError,
@@ -572,6 +573,56 @@ async def _queue_full(h: Harness) -> None:
 
 
 @_case(
+    "workload_max_queued",
+    "a workload's max_queued bounds its own queue (beyond it, that workload's requests fail "
+    "at once with ConcurrencyQueueFullError, while other workloads still queue)",
+    "workloads",
+    "workload_max_queued",
+)
+async def _workload_max_queued(h: Harness) -> None:
+    subject = await h.limiter(
+        max_concurrent=1,
+        workloads={"flood": Workload(max_queued=2), "interactive": Workload()},
+        default_workload="flood",
+    )
+    holder = await h.take(subject, "flood", what="a free slot was not granted")
+    flood = []
+    for index in range(2):
+        flood.append(h.start(subject, "flood", label=f"flood{index + 1}"))
+        await h.queued(subject, index + 1)
+    extra = h.start(subject, "flood", label="flood3")
+    await extra.ends(
+        "a request beyond workload 'flood''s max_queued=2 waited instead of failing at once"
+    )
+    if not isinstance(extra.error, ConcurrencyQueueFullError):
+        h.fail(
+            "a request beyond workload 'flood''s max_queued=2 ended with "
+            f"{extra.error or extra.lease!r}, not ConcurrencyQueueFullError",
+            cause=extra.error,
+        )
+    interactive = [h.start(subject, "interactive", label=f"interactive{i + 1}") for i in range(3)]
+    refused = (
+        "a request of workload 'interactive', which has no max_queued, did not queue while "
+        "'flood' had its 2 requests waiting (flood's bound was applied to it)"
+    )
+    await interactive[-1].waits(refused)
+    for probe in interactive[:-1]:  # they had the same quiet window
+        if probe.done.is_set():
+            await probe.waits(refused)
+    flood[0].cancel()
+    await flood[0].ends("a cancelled waiter did not end")
+    replacement = h.start(subject, "flood", label="flood4")
+    await replacement.waits(
+        "a request of workload 'flood' did not queue after one of its 2 waiters left "
+        "(max_queued=2): the request that left still counted"
+    )
+    await holder.release()
+    await h.settle(
+        [flood[1], replacement, *interactive], what="the queued requests were not served"
+    )
+
+
+@_case(
     "max_wait",
     "max_wait (a request waits at most its workload's max_wait, then fails with "
     "ConcurrencyTimeoutError and leaves the queue)",
@@ -994,6 +1045,33 @@ async def _invalid_limits(h: Harness) -> None:
             setting="max_wait",
             why="a negative max_wait",
         )
+    if h.supports("workload_max_queued"):
+        await h.rejects(
+            {"max_concurrent": 2, "workloads": {"default": Workload(max_queued=-1)}},
+            setting="max_queued",
+            why="a negative workload max_queued",
+        )
+    if h.supports("rates"):
+        await h.rejects(
+            {"max_concurrent": 2, "rate": Rate(requests=0)},
+            setting="rate",
+            why="a rate of 0 requests",
+        )
+        await h.rejects(
+            {"max_concurrent": 2, "rate": Rate(tokens=100, per=0)},
+            setting="per",
+            why="a rate over 0 seconds",
+        )
+        if h.supports("workloads"):
+            await h.rejects(
+                {
+                    "max_concurrent": 2,
+                    "rate": Rate(requests=10),
+                    "workloads": {"default": Workload(rate=Rate(requests=20))},
+                },
+                setting="rate",
+                why="a workload rate above the limiter's",
+            )
 
 
 @_case(
@@ -1201,3 +1279,423 @@ async def _slot_lifecycle(h: Harness) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(release_elsewhere)
     await h.capacity(subject, after="a slot was released by another task")
+
+
+# -- rates ----------------------------------------------------------------------------------
+
+# Clocks of one machine may disagree by this much (the limiter's and the event loop's).
+_SLACK = 1e-3
+
+
+def _rate_held(h: Harness, probes: list[Probe], capacity: int, per: float, what: str) -> None:
+    """Fail if the grants of ``probes`` exceed, in some window, what a bucket of ``capacity``
+    requests per ``per`` seconds allows: its capacity plus what refilled in the window.
+
+    A probe's grant happened between its call (``sent``) and its return (``seen``), so the
+    grants of the probes called at or after ``s`` and returned by ``t`` all fall in [s, t]:
+    counting those can only undercount, never fail a correct limiter on a slow machine.
+    """
+    granted = [p for p in probes if p.sent is not None and p.seen is not None]
+    for first in granted:
+        start = first.sent
+        assert start is not None
+        for last in granted:
+            end = last.seen
+            assert end is not None
+            if end < start:
+                continue
+            inside = [p for p in granted if p.sent >= start and p.seen <= end]  # type: ignore[operator]
+            allowed = capacity + math.floor((end - start + _SLACK) * capacity / per)
+            if len(inside) > allowed:
+                h.fail(
+                    f"{what}, {len(inside)} requests were granted within {end - start:.3f}s "
+                    f"(from the call of {first.label} to the grant of {last.label}), more than "
+                    f"a bucket of {capacity} per {per:g}s allows then ({allowed})"
+                )
+
+
+@_case(
+    "rate_window",
+    "rate limits hold in every window (a request bucket, the limiter's or a workload's, never "
+    "grants more than its capacity plus what refilled, and a request waiting for it is woken "
+    "when it refills)",
+    "rates",
+)
+async def _rate_window(h: Harness) -> None:
+    unit = h.timing.quiet  # the time the buckets below take to refill one request
+    per = 3 * unit
+    rate = f"rate=Rate(requests=3, per={per:g})"
+    subject = await h.limiter(max_concurrent=8, rate=Rate(requests=3, per=per))
+    burst = [h.start(subject, label=f"burst{index + 1}") for index in range(3)]
+    for probe in burst:
+        await probe.granted(f"with {rate}, a first burst of 3 requests was not granted at once")
+    for probe in burst:
+        await probe.release()
+    late = h.start(subject, label="late")
+    await late.granted(
+        f"with {rate}, a request waiting for the empty bucket to refill was never woken",
+        within=unit + h.timing.within,
+    )
+    await late.release()
+    _rate_held(h, [*burst, late], 3, per, f"with {rate}")
+    # Left alone for longer than it takes to refill, the bucket holds its capacity, no more;
+    # meanwhile, a workload's own bucket.
+    idle_until = anyio.current_time() + per + unit
+    if h.supports("workloads"):
+        limited = f"Workload(rate=Rate(requests=2, per={2 * unit:g}))"
+        scoped = await h.limiter(
+            max_concurrent=8,
+            workloads={
+                "limited": Workload(rate=Rate(requests=2, per=2 * unit)),
+                "free": Workload(),
+            },
+            default_workload="free",
+        )
+        held = [h.start(scoped, "limited", label=f"limited{index + 1}") for index in range(4)]
+        free = [h.start(scoped, "free", label=f"free{index + 1}") for index in range(3)]
+        for probe in free:
+            await probe.granted(
+                f"a request of workload 'free' waited while workload 'limited' ({limited}) "
+                "waited for its own bucket"
+            )
+        for probe in held:
+            await probe.granted(
+                f"a request of workload 'limited' ({limited}) waiting for its bucket to refill "
+                "was never woken",
+                within=2 * unit + h.timing.within,
+            )
+        _rate_held(h, held, 2, 2 * unit, f"in workload 'limited' ({limited})")
+        for probe in (*held, *free):
+            await probe.release()
+    await anyio.sleep_until(idle_until)
+    again = [h.start(subject, label=f"again{index + 1}") for index in range(4)]
+    for probe in again[:3]:
+        await probe.granted(
+            f"with {rate}, a burst of 3 requests after the bucket refilled was not granted at once"
+        )
+    await again[3].granted(
+        f"with {rate}, a request waiting for the bucket to refill was never woken",
+        within=unit + h.timing.within,
+    )
+    _rate_held(h, [*burst, late, *again], 3, per, f"with {rate}, idle for {per + unit:g}s")
+    for probe in again:
+        await probe.release()
+
+
+@_case(
+    "rate_tokens",
+    "tokens are charged (a request's tokens are taken from the token buckets when it is "
+    "granted and corrected by Slot.used_tokens(), while held or after release; a request "
+    "larger than a bucket fails at once with ConcurrencyConfigError)",
+    "rates",
+)
+async def _rate_tokens(h: Harness) -> None:
+    # The bucket refills so slowly that within the case only what is charged and refunded
+    # counts.
+    slow = 1000 * h.timing.within
+    rate = f"rate=Rate(tokens=100, per={slow:g})"
+    subject = await h.limiter(max_concurrent=8, rate=Rate(tokens=100, per=slow))
+    charge = h.member(subject, "charge_tokens", "rates")
+    # Through the runtime, as users take slots: an estimate of 60 tokens.
+    first = await runtime_acquire(limiter=subject.limiter, tokens=60)
+    subject.hold(first.lease, "default", label="first")
+    second = h.start(subject, tokens=60, label="second")
+    await second.waits(
+        f"with {rate}, a request of 60 tokens was granted while a slot with an estimate of "
+        "60 tokens was held: the estimate was not charged at grant"
+    )
+    first.used_tokens(20)  # 40 refunded: 80 left
+    await second.granted(
+        "Slot.used_tokens(20) after an estimate of 60 did not refund 40 tokens: a request "
+        "of 60 waiting with 40 tokens left never got them"
+    )
+    # 20 left. A correction after release counts too (a stream's usage comes at its end).
+    subject.forget(first.lease)
+    await first.release()
+    first.used_tokens(60)  # 40 more: -20 left
+    third = h.start(subject, tokens=1, label="third")
+    await third.waits(
+        "Slot.used_tokens(60) after the slot was released (an estimate of 60 corrected to "
+        "20 while held) did not charge the 40 tokens more: a request of 1 token was granted"
+    )
+    first.used_tokens(0)  # 60 refunded: 40 left
+    await third.granted(
+        "Slot.used_tokens(0) refunded 60 tokens, but a request of 1 token waiting for them "
+        "never got one"
+    )
+    # charge_tokens for a lease held through the protocol: 39 left, 39 charged.
+    charge(subject.limiter, second.lease, 39)
+    fourth = h.start(subject, tokens=1, label="fourth")
+    await fourth.waits(
+        "charge_tokens(lease, 39) with 39 tokens left did not charge them: a request of 1 "
+        "token was granted"
+    )
+    charge(subject.limiter, second.lease, -1)
+    await fourth.granted(
+        "charge_tokens(lease, -1) refunded a token, but a request of 1 token waiting for it "
+        "never got it"
+    )
+    for probe in (second, third, fourth):
+        await probe.release()
+    huge = h.start(subject, tokens=101, label="huge")
+    await huge.ends(
+        f"a request of 101 tokens, more than {rate} can ever hold, waited instead of failing "
+        "at once"
+    )
+    if not isinstance(huge.error, ConcurrencyConfigError):
+        await huge.release()
+        h.fail(
+            f"a request of 101 tokens, more than {rate} can ever hold, ended with "
+            f"{huge.error or 'a lease'!r}, not ConcurrencyConfigError",
+            cause=huge.error,
+        )
+    if h.supports("workloads"):
+        small = f"Workload(rate=Rate(tokens=50, per={slow:g}))"
+        scoped = await h.limiter(
+            max_concurrent=2,
+            rate=Rate(tokens=100, per=slow),
+            workloads={"small": Workload(rate=Rate(tokens=50, per=slow)), "other": Workload()},
+            default_workload="other",
+        )
+        big = h.start(scoped, "small", tokens=60, label="big")
+        await big.ends(
+            f"a request of 60 tokens in workload 'small' ({small}) waited instead of "
+            "failing at once"
+        )
+        if not isinstance(big.error, ConcurrencyConfigError):
+            await big.release()
+            h.fail(
+                f"a request of 60 tokens in workload 'small' ({small}) ended with "
+                f"{big.error or 'a lease'!r}, not ConcurrencyConfigError",
+                cause=big.error,
+            )
+        other = await h.take(
+            scoped,
+            "other",
+            tokens=60,
+            what=f"a request of 60 tokens in workload 'other' was not granted ({rate})",
+        )
+        await other.release()
+
+
+@_case(
+    "rate_order",
+    "requests waiting for a rate keep their order (when a bucket refills, the request the "
+    "allocation rules put first gets it: higher priority first, then arrival; no request "
+    "behind it takes the tokens it waits for, however few it needs)",
+    "rates",
+)
+async def _rate_order(h: Harness) -> None:
+    per = 2 * h.timing.quiet
+    rate = f"rate=Rate(tokens=100, per={per:g})"
+    # One slot: the requests are granted one at a time, so their order is plain to see.
+    subject = await h.limiter(max_concurrent=1, rate=Rate(tokens=100, per=per))
+    holder = await h.take(subject, tokens=100, what="a free slot was not granted")
+    big = h.start(subject, tokens=100, label="big")
+    await h.queued(subject, 1)
+    small = h.start(subject, tokens=10, label="small")
+    await h.queued(subject, 2)
+    order = await _serve(h, subject, holder, [big, small])
+    if order != ["big", "small"]:
+        h.fail(
+            f"with {rate} and one slot, a request of 100 tokens then one of 10, queued while "
+            f"the bucket was empty, were served as {order}: the later, smaller request took "
+            "tokens the first was waiting for"
+        )
+    if not (h.supports("workloads") and h.supports("priority")):
+        return
+    ranked = await h.limiter(
+        max_concurrent=1,
+        rate=Rate(tokens=100, per=per),
+        workloads={"low": Workload(priority=0), "high": Workload(priority=10)},
+        default_workload="low",
+    )
+    holder = await h.take(ranked, "low", tokens=100, what="a free slot was not granted")
+    probes = []
+    for index, (workload, tokens) in enumerate((("low", 10), ("low", 10), ("high", 100))):
+        probes.append(h.start(ranked, workload, tokens=tokens, label=f"{workload}{index + 1}"))
+        await h.queued(ranked, index + 1)
+    order = await _serve(h, ranked, holder, probes)
+    if order != ["high3", "low1", "low2"]:
+        h.fail(
+            f"with {rate} and one slot, low1 and low2 (10 tokens each), then high3 (priority "
+            f"10, 100 tokens), queued while the bucket was empty, were served as {order}, "
+            "not high3, low1, low2: a lower-priority request took tokens high3 was waiting for"
+        )
+
+
+# -- pushback -------------------------------------------------------------------------------
+
+
+@_case(
+    "pause",
+    "a pause holds every new grant (after Slot.throttled() or throttle(), no slot is granted "
+    "until the time given; held slots stay held, waiting requests keep their places, and "
+    "their deadlines and max_wait keep running)",
+    "pushback",
+)
+async def _pause(h: Harness) -> None:
+    await _pause_keeps_clocks(h)
+    pause = 4 * h.timing.quiet
+    subject = await h.limiter(max_concurrent=2)
+    holder = await h.take(subject, what="a free slot was not granted")
+    # Through the runtime, as slotwise.httpx does on a 429.
+    refused = await runtime_acquire(limiter=subject.limiter)
+    subject.hold(refused.lease, "default", label="refused")
+    paused_at = anyio.current_time()
+    refused.throttled(retry_after=pause)
+    ends = paused_at + pause - _SLACK  # no grant before this
+
+    def during(probe: Probe) -> None:
+        if probe.seen is not None and probe.seen < ends:
+            h.fail(
+                f"{probe.label} was granted {probe.seen - paused_at:.3f}s after "
+                f"Slot.throttled(retry_after={pause:g}): during the pause"
+            )
+
+    if await subject.renew(holder.lease) is None:
+        h.fail("a held lease was gone after Slot.throttled(): renew returned None")
+    waiting = [h.start(subject, label="first")]
+    await h.queued(subject, 1)
+    subject.forget(refused.lease)
+    await refused.release()  # a slot frees during the pause
+    with anyio.move_on_after(h.timing.quiet):
+        await waiting[0].done.wait()
+    during(waiting[0])
+    for index, label in enumerate(("second", "third")):
+        waiting.append(h.start(subject, label=label))
+        await h.queued(subject, index + 2)
+    with anyio.move_on_at(paused_at + pause + h.timing.within):
+        while not any(probe.lease is not None for probe in waiting):
+            await subject.next_grant.wait()
+    granted = [probe for probe in waiting if probe.lease is not None]
+    if not granted:
+        h.fail(
+            f"no waiting request got the free slot when a pause of {pause:g}s "
+            "(Slot.throttled(retry_after=...)) ended"
+        )
+    during(granted[0])
+    first, *later = waiting
+    if granted[0] is not first:
+        h.fail(
+            f"first, second and third queued during a pause; when it ended, {granted[0].label} "
+            "got the free slot before first"
+        )
+    order = await _serve(h, subject, first, later)
+    if order != ["second", "third"]:
+        h.fail(f"first, second and third queued during a pause were served as first, {order}")
+    await holder.release()
+
+
+async def _pause_keeps_clocks(h: Harness) -> None:
+    """During a pause longer than the case: a free slot is not taken, and requests still
+    end at their deadline and their max_wait."""
+    long = 10 * h.timing.within
+    budget = 2 * h.timing.quiet
+    limits: dict[str, Any] = {"max_concurrent": 2}
+    if h.supports("max_wait"):
+        limits["workloads"] = {"default": Workload(max_wait=budget)}
+    paused = await h.limiter(**limits)
+    throttle = h.member(paused, "throttle", "pushback")
+    holder = await h.take(paused, what="a free slot was not granted")
+    throttle(paused.limiter, holder.lease, long)
+    started = anyio.current_time()
+    idle = h.start(paused, label="idle")
+    await idle.waits(
+        f"a request that found a free slot was granted during a pause (throttle(lease, {long:g}))"
+    )
+    timed = (
+        h.start(paused, deadline=started + budget, label="timed")
+        if h.supports("deadline")
+        else None
+    )
+    for probe, bound in ((idle, "max_wait"), (timed, "deadline")):
+        if probe is None or not h.supports(bound):
+            continue
+        await probe.ends(
+            f"a request with a {bound} of {budget:g}s, waiting during a pause of {long:g}s, "
+            f"kept waiting past its {bound}: the pause stopped its clock",
+            within=budget + h.timing.within,
+        )
+        waited = anyio.current_time() - started
+        if not isinstance(probe.error, ConcurrencyTimeoutError):
+            h.fail(
+                f"a request past its {bound} during a pause ended with "
+                f"{probe.error or probe.lease!r}, not ConcurrencyTimeoutError",
+                cause=probe.error,
+            )
+        if waited < budget / 2:
+            h.fail(
+                f"a request with a {bound} of {budget:g}s gave up after {waited:.3f}s "
+                "during a pause"
+            )
+
+
+@_case(
+    "set_limits",
+    "set_limits() applies new limits at once (shrinking never revokes a held slot: new grants "
+    "wait until fewer are held than the new limit; growing serves the waiting requests; an "
+    "invalid change raises ConcurrencyConfigError and changes nothing)",
+    "pushback",
+)
+async def _set_limits(h: Harness) -> None:
+    subject = await h.limiter(max_concurrent=3)
+    set_limits = h.member(subject, "set_limits", "pushback")
+    held = [await h.take(subject, what="a free slot was not granted") for _ in range(3)]
+    waiter = h.start(subject, label="waiter")
+    await h.queued(subject, 1)
+    await set_limits(subject.limiter, max_concurrent=1)
+    subject.max_concurrent = 1  # from now on, a grant with a slot held is an over-grant
+    for probe in held:
+        if await subject.renew(probe.lease) is None:
+            h.fail(
+                "set_limits(max_concurrent=1) with 3 slots held revoked one: renew returned "
+                "None for it"
+            )
+    for index, probe in enumerate(held[:2]):
+        await probe.release()
+        await waiter.waits(
+            f"after set_limits(max_concurrent=1), a request was granted with {2 - index} "
+            "slots still held"
+        )
+    await held[2].release()
+    await waiter.granted(
+        "after set_limits(max_concurrent=1), the waiting request did not get the slot freed "
+        "when no other was held"
+    )
+    second = h.start(subject, label="second")
+    await h.queued(subject, 1)
+    subject.max_concurrent = 3  # before the call: it may grant before it returns
+    await set_limits(subject.limiter, max_concurrent=3)
+    await second.granted(
+        "set_limits(max_concurrent=3) raised the limit from 1, but the waiting request did "
+        "not get one of the new slots"
+    )
+    third = await h.take(
+        subject, what="after set_limits(max_concurrent=3), a third slot was not granted"
+    )
+    fourth = h.start(subject, label="fourth")
+    await h.queued(subject, 1)
+    # All or nothing: a valid limit beside an invalid one is not applied either.
+    invalid: dict[str, Any] = {"max_concurrent": 0}
+    setting = "max_concurrent"
+    if h.supports("max_queued"):
+        invalid, setting = {"max_concurrent": 4, "max_queued": -1}, "max_queued"
+    shown = ", ".join(f"{key}={value!r}" for key, value in invalid.items())
+    try:
+        await set_limits(subject.limiter, **invalid)
+    except ConcurrencyConfigError as exc:
+        if setting not in str(exc):
+            h.fail(
+                f"set_limits({shown}) was rejected, but the message does not name the "
+                f"setting {setting!r}: {exc}"
+            )
+    except Exception as exc:
+        h.fail(f"set_limits({shown}) raised {exc!r}, not ConcurrencyConfigError", cause=exc)
+    else:
+        h.fail(f"set_limits({shown}) was accepted; it must raise ConcurrencyConfigError")
+    await fourth.waits(
+        f"set_limits({shown}) raised, but max_concurrent changed: a fourth slot was granted "
+        "with max_concurrent=3"
+    )
+    await h.settle([waiter, second, third, fourth], what="the queued request was not served")

@@ -128,6 +128,18 @@ class Harness:
         """Whether the limiter under test declared ``capability``."""
         return capability in self.supported
 
+    def member(self, subject: Subject, name: str, capability: str) -> Callable[..., Any]:
+        """The method ``name`` of the limiter's class, which ``capability`` needs: looked up
+        on the class, as the runtime looks it up (`Slot.used_tokens` calls
+        ``charge_tokens``, `Slot.throttled` calls ``throttle``)."""
+        found = getattr(type(subject.limiter), name, None)
+        if not callable(found):
+            self.fail(
+                f"the limiter declares {capability!r} support, but its class has no "
+                f"{name}() (the runtime looks it up on the class and does nothing without it)"
+            )
+        return found  # type: ignore[no-any-return]
+
     def block_storage(self, subject: Subject) -> AbstractAsyncContextManager[Any]:
         """The user's ``block_storage(limiter)``: while entered, the storage does not answer."""
         assert self._block_storage is not None  # the case requires it
@@ -175,9 +187,11 @@ class Harness:
         label: str | None = None,
         deadline: float | None = None,
         gate: anyio.Event | None = None,
+        tokens: int = 0,
     ) -> Probe:
         """Start one ``acquire`` in its own task (after ``gate`` is set, if given)."""
-        probe = Probe(subject, workload, label or f"{workload}#{next(_request_ids)}", deadline)
+        label = label or f"{workload}#{next(_request_ids)}"
+        probe = Probe(subject, workload, label, deadline, tokens)
         self._tg.start_soon(probe._run, gate)
         return probe
 
@@ -188,9 +202,10 @@ class Harness:
         *,
         what: str,
         within: float | None = None,
+        tokens: int = 0,
     ) -> Probe:
         """Acquire a slot that must be granted promptly."""
-        probe = self.start(subject, workload)
+        probe = self.start(subject, workload, tokens=tokens)
         await probe.granted(what, within=within)
         return probe
 
@@ -346,11 +361,18 @@ class Subject:
 class Probe:
     """One ``acquire`` running in its own task, observed by a case."""
 
-    def __init__(self, subject: Subject, workload: str, label: str, deadline: float | None) -> None:
+    def __init__(
+        self, subject: Subject, workload: str, label: str, deadline: float | None, tokens: int
+    ) -> None:
         self.subject = subject
         self.workload = workload
         self.label = label
         self.deadline = deadline
+        self.tokens = tokens
+        # The grant happened between these two times (anyio.current_time()): when acquire
+        # was called, and when it returned the lease.
+        self.sent: float | None = None
+        self.seen: float | None = None
         self.lease: Any = None
         self.error: Exception | None = None  # what acquire raised
         self.cancelled = False
@@ -367,11 +389,14 @@ class Probe:
                     workload=self.workload,
                     request_id=f"conformance-{self.label}",
                     deadline=self.deadline,
+                    tokens=self.tokens,
                 )
                 # Arrival at the limiter is the call: no await between this and it.
                 self.subject.arrivals.append(self.label)
+                self.sent = anyio.current_time()
                 lease = await self.subject.limiter.acquire(request)
                 # No await between acquire returning and the lease being counted.
+                self.seen = anyio.current_time()
                 self.subject.hold(lease, self.workload, label=self.label)
                 self.lease = lease
             self.cancelled = self.scope.cancelled_caught

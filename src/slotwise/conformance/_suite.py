@@ -23,10 +23,23 @@ CAPABILITIES: Mapping[str, str] = {
     "max_wait": "Workload(max_wait=...), for a single workload named 'default' too",
     "deadline": "AcquireRequest.deadline: a request stops waiting at its run's deadline",
     "stats": "await limiter.stats()",
+    "workload_max_queued": "Workload(max_queued=...): a bound on one workload's queue; "
+    "declared with supports=",
+    "rates": "rate=Rate(...) on the limiter and its workloads (token buckets), "
+    "AcquireRequest.tokens charged at grant, and charge_tokens(lease, tokens) for "
+    "Slot.used_tokens(); declared with supports=",
+    "pushback": "throttle(lease, retry_after) for Slot.throttled(), and "
+    "await set_limits(...); declared with supports=",
 }
-"""What a limiter may declare it lacks, by name, and what each covers. Every other duty
-(atomic allocation, expiring leases, idempotent renew and release, renew returning None,
-unique lease ids, safe cancellation, arrival order, invalid limits) is required."""
+"""The capabilities a case may need, by name, and what each covers. A limiter has the first
+ones unless it names them in ``skip``; it has ``workload_max_queued``, ``rates`` and
+``pushback`` only when it names them in ``supports``. Every other duty (atomic allocation,
+expiring leases, idempotent renew and release, renew returning None, unique lease ids, safe
+cancellation, arrival order, invalid limits) is required."""
+
+# Capabilities added after the first cases: a limiter written before them has none of them,
+# so the cases that need them run only when it declares them.
+_DECLARED_ONLY = frozenset({"workload_max_queued", "rates", "pushback"})
 
 _BLOCK_STORAGE = "block_storage"  # needed by a case: given as conformance_cases(block_storage=)
 
@@ -42,6 +55,14 @@ def _skip(reason: str) -> NoReturn:
     except TypeError:
         skipped = pytest.skip.Exception(reason)
     raise skipped
+
+
+def _why(capability: str, reasons: Mapping[str, str]) -> str:
+    if reasons.get(capability):
+        return f" ({reasons[capability]})"
+    if capability in _DECLARED_ONLY:
+        return f" (declare it with conformance_cases(supports=[{capability!r}]))"
+    return ""
 
 
 def _first_failure(group: ExceptionGroup[Exception]) -> Exception:
@@ -182,6 +203,7 @@ def conformance_cases(
     create_limiter: Callable[..., Any],
     *,
     skip: Iterable[str] | Mapping[str, str] = (),
+    supports: Iterable[str] = (),
     time_scale: float = 1.0,
     block_storage: BlockStorage | None = None,
 ) -> list[ConformanceCase]:
@@ -197,6 +219,9 @@ def conformance_cases(
         skip: Capabilities the limiter lacks (names in ``CAPABILITIES``), or a
             mapping from each to the reason. The cases that need them are reported as
             skipped, with the reason; the required duties cannot be skipped.
+        supports: The capabilities a limiter has only when it says so:
+            ``"workload_max_queued"``, ``"rates"`` and ``"pushback"`` (see
+            ``CAPABILITIES``). The cases that need one it does not name are skipped.
         time_scale: Multiplies every duration the cases use (lease lifetimes, waiting
             bounds); raise it for a backend that is slow to answer or a busy CI machine.
         block_storage: Called with a limiter under test, it returns an async context
@@ -210,15 +235,18 @@ def conformance_cases(
         The cases, each with ``name`` and an async ``run()``.
 
     Raises:
-        ValueError: ``skip`` names something that is not a capability.
+        ValueError: ``skip`` or ``supports`` names something that is not a capability, or
+            both name the same one.
 
     Example:
-        >>> @pytest.mark.anyio
-        ... @pytest.mark.parametrize(
-        ...     "case", conformance_cases(create_limiter), ids=lambda case: case.name
-        ... )
-        ... async def test_conformance(case):
-        ...     await case.run()  # doctest: +SKIP
+        ```python
+        @pytest.mark.anyio
+        @pytest.mark.parametrize(
+            "case", conformance_cases(create_limiter), ids=lambda case: case.name
+        )
+        async def test_conformance(case):
+            await case.run()
+        ```
     """
     if isinstance(skip, str):
         skip = (skip,)
@@ -229,9 +257,19 @@ def conformance_cases(
             f"cannot skip {', '.join(map(repr, unknown))}: the capabilities a limiter may "
             f"lack are {', '.join(map(repr, CAPABILITIES))}; every other duty is required"
         )
+    declared = {supports} if isinstance(supports, str) else set(supports)
+    unknown = sorted(declared - set(CAPABILITIES))
+    if unknown:
+        raise ValueError(
+            f"cannot declare {', '.join(map(repr, unknown))}: the capabilities are "
+            f"{', '.join(map(repr, CAPABILITIES))}"
+        )
+    both = sorted(declared & set(reasons))
+    if both:
+        raise ValueError(f"{', '.join(map(repr, both))} is both in skip and in supports")
     if not time_scale > 0:
         raise ValueError(f"time_scale must be positive, got {time_scale!r}")
-    supported = frozenset(CAPABILITIES) - set(reasons)
+    supported = (frozenset(CAPABILITIES) - _DECLARED_ONLY - set(reasons)) | declared
     timing = Timing.scaled(time_scale)
     cases = []
     for spec in CASES:
@@ -239,8 +277,7 @@ def conformance_cases(
         skip_reason = None
         if missing:
             skip_reason = "the limiter declares no " + ", ".join(
-                f"{name!r} support" + (f" ({reasons[name]})" if reasons[name] else "")
-                for name in missing
+                f"{name!r} support" + _why(name, reasons) for name in missing
             )
         elif _BLOCK_STORAGE in spec.requires and block_storage is None:
             skip_reason = (

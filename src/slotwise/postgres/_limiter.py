@@ -25,7 +25,6 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .._base import BuiltinLimiter
 from .._config import (
-    DEFAULT_LEASE_TTL,
     Settings,
     Workload,
     build_settings,
@@ -39,13 +38,13 @@ from .._errors import (
     ConcurrencyLimiterError,
     ConcurrencyQueueFullError,
 )
-from .._protocol import AcquireRequest, Lease, SupportsLease
+from .._protocol import AcquireRequest, Lease, SupportsLease, W
+from .._runtime.lifecycle import SlotContext
 from .._stats import LimiterStats
 from ._schema import channel_name, schema_ddl
 
 __all__ = ("PostgresLimiter",)
 
-W = TypeVar("W", bound=str)
 T = TypeVar("T")
 Conn = psycopg.AsyncConnection[TupleRow]
 
@@ -127,20 +126,20 @@ class PostgresLimiter(BuiltinLimiter[W]):
     """A limiter whose slots live in PostgreSQL, shared by every process using its name.
 
     Each allocation is one short transaction that holds the limiter's row lock and runs the
-    same allocation rules as :class:`slotwise.MemoryLimiter`; no connection is held while a
+    same allocation rules as `slotwise.MemoryLimiter`; no connection is held while a
     request waits or while the body runs. Lease expiry and wait deadlines are on the
     database clock. In each process one poller per limiter serves every local waiter, and
-    ``LISTEN``/``NOTIFY`` wakes it when another process grants it a slot, so the database
+    `LISTEN`/`NOTIFY` wakes it when another process grants it a slot, so the database
     load grows with processes, not with waiters.
 
-    asyncio only (psycopg's async API): under trio, ``acquire`` fails with
-    ``ConcurrencyConfigError``. A limiter belongs to the event loop that started it (its pool,
-    poller and listener live there): another loop or thread gets ``ConcurrencyConfigError``;
+    asyncio only (psycopg's async API): under trio, `acquire` fails with
+    `ConcurrencyConfigError`. A limiter belongs to the event loop that started it (its pool,
+    poller and listener live there): another loop or thread gets `ConcurrencyConfigError`;
     give it a limiter object of its own with the same name, which shares the same slots. Once
-    that loop has ended (``asyncio.run()`` returned), the next one may use it.
+    that loop has ended (`asyncio.run()` returned), the next one may use it.
 
     Every step that needs the database (a connection, the limiter's lock, a statement) is
-    bounded by ``db_timeout``: past it, the request fails closed. A waiting request keeps its
+    bounded by `db_timeout`: past it, the request fails closed. A waiting request keeps its
     deadline and its cancellation whatever the database does: the poller talks to the
     database, the request only waits for its answer.
 
@@ -160,7 +159,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             (they are no longer granted slots from about a second after it died).
         schema: The schema of the tables (quoted as an identifier).
         ensure_schema: Create the tables on first use; False when a migration applied
-            :func:`schema_sql`.
+            `schema_sql()`.
         on_conflict: ``"error"``: limits that differ from those stored for this name raise
             ``ConcurrencyConfigError``; ``"replace"``: store these limits instead.
         listen: ``True``: a session connection (outside the pool) receives notifications;
@@ -175,19 +174,19 @@ class PostgresLimiter(BuiltinLimiter[W]):
             the lease gone and cancels its body.
         db_timeout: Seconds one database step may take: waiting for a pool connection, for
             the limiter's row lock, or for a statement. Past it the request fails closed
-            with ``ConcurrencyLimiterError`` (a refused connection, a pool whose connections
+            with `ConcurrencyLimiterError` (a refused connection, a pool whose connections
             are all held, a process stalled while holding the lock).
 
     Raises:
         ConcurrencyConfigError: a setting is invalid; the message names it.
 
     Example:
-        >>> claude = PostgresLimiter(  # doctest: +SKIP
-        ...     "postgresql://app@db/app", name="claude", max_concurrent=8
-        ... )
-        >>> async with claude:  # doctest: +SKIP
-        ...     async with claude.slot():
-        ...         ...
+        ```python
+        claude = PostgresLimiter("postgresql://app@db/app", name="claude", max_concurrent=8)
+        async with claude:  # or `await claude.aclose()` when done
+            async with claude.slot():
+                ...
+        ```
     """
 
     # What code without an event loop (sync_slot(), a sync HTTP client) should do instead.
@@ -278,7 +277,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         name: str = "default",
         max_concurrent: int,
         max_queued: int | None = None,
-        lease_ttl: float = DEFAULT_LEASE_TTL,
+        lease_ttl: float = 30.0,
         workloads: Mapping[W, Workload] | None = None,
         default_workload: str | None = None,
         poll_interval: float = 0.1,
@@ -485,11 +484,17 @@ class PostgresLimiter(BuiltinLimiter[W]):
         # process's, passed over at once.
         self._owner = str(uuid.uuid4())
 
+    def slot(
+        self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
+    ) -> SlotContext[W]:
+        """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
+        return SlotContext(workload, self, allow_nested, tokens)
+
     async def stats(self) -> LimiterStats:
         """Active and queued requests across every process, in total and per workload.
 
         Requests of this process that ended are out of the queue first (when the database
-        answers within ``db_timeout``): the figures include what this process did.
+        answers within `db_timeout`): the figures include what this process did.
         """
         await self.start()
         with anyio.move_on_after(self.db_timeout):
@@ -504,8 +509,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     # -- the Limiter protocol -------------------------------------------------------------
 
-    async def acquire(self, request: AcquireRequest) -> Lease:
-        """Wait for a slot (see :class:`slotwise.Limiter`); safe to cancel at any point.
+    async def acquire(self, request: AcquireRequest[W]) -> Lease:
+        """Wait for a slot (see `slotwise.Limiter`); safe to cancel at any point.
 
         The request joins this process's queue at once (requests made together enter the
         database in the order of the calls); the poller enqueues it, and hands it its lease.

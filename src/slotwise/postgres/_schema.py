@@ -67,19 +67,20 @@ def schema_ddl(schema: str) -> list[sql.Composed]:
 def schema_sql(schema: str = "slotwise") -> str:
     """Return the DDL that creates PostgresLimiter's tables, for a migration.
 
-    Apply it once (it is idempotent) and pass ``ensure_schema=False`` to limiters whose
+    Apply it once (it is idempotent) and pass `ensure_schema=False` to limiters whose
     database role may not run DDL.
 
     Args:
         schema: The schema to create the tables in; quoted as an identifier.
 
     Returns:
-        SQL text: ``CREATE SCHEMA IF NOT EXISTS ...`` and the ``CREATE TABLE`` and
-        ``CREATE INDEX`` statements.
+        SQL text: `CREATE SCHEMA IF NOT EXISTS ...` and the `CREATE TABLE` and
+        `CREATE INDEX` statements.
 
     Example:
-        >>> print(schema_sql("limits").splitlines()[0])
-        CREATE SCHEMA IF NOT EXISTS "limits";
+        ```python
+        print(schema_sql("limits").splitlines()[0])  # CREATE SCHEMA IF NOT EXISTS "limits";
+        ```
     """
     if not isinstance(schema, str) or not schema:
         raise ValueError(f"schema must be a non-empty string, got {schema!r}")

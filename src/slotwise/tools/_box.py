@@ -12,7 +12,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any, Generic, Literal, Protocol, TypeAlias, TypeVar, final, overload
+from typing import Any, Generic, Literal, TypeAlias, TypeVar, final, overload
 
 import anyio
 from anyio.lowlevel import checkpoint
@@ -31,9 +31,9 @@ from .._events import (
     ToolRejectedEvent,
     ToolStartedEvent,
 )
-from .._protocol import Limiter
+from .._protocol import Limiter, TypedLimiter, W
 from .._runtime import dispatch
-from .._runtime.lifecycle import Slot, SlotContext, slot
+from .._runtime.lifecycle import Slot, slot
 from .._runtime.runs import Run, current_run
 from .._runtime.runs import run as start_run
 from ._budget import allowances, cut_note
@@ -41,7 +41,6 @@ from ._values import Tool, ToolCall, ToolError, ToolResult
 
 __all__ = ("ToolBox",)
 
-W = TypeVar("W", bound=str)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 _TIMED_OUT: Any = object()  # what a handler cancelled by its timeout "returned"
@@ -67,14 +66,6 @@ _Refusal: TypeAlias = Literal[
     "unknown-tool", "invalid-arguments", "concurrency-limit", "limiter-error", "budget-exhausted"
 ]
 _Stop: TypeAlias = Literal["failed", "timed-out", "limiter-error"]
-
-
-class _TypedLimiter(Protocol[W]):
-    """A limiter whose workload names are typed (MemoryLimiter, PostgresLimiter)."""
-
-    def slot(self, workload: W | None = None, *, allow_nested: bool = False) -> SlotContext[W]:
-        """Hold one slot."""
-        ...
 
 
 @final
@@ -103,35 +94,43 @@ class ToolBox(Generic[W]):
             integer.
 
     Example:
-        >>> tools = ToolBox(
-        ...     limiter=MemoryLimiter(name="tools", max_concurrent=4, workloads={
-        ...         "search": Workload(max_concurrent=1, max_wait=10.0),
-        ...         "payments": Workload(max_concurrent=1, max_wait=0),
-        ...         "default": Workload(max_wait=30.0),
-        ...     }),
-        ...     result_budget=40_000,
-        ...     max_calls_per_run=20,
-        ... )
-        >>> @tools.tool(pool="search", timeout=10.0)
-        ... async def search_docs(query: str) -> str: ...
+        ```python
+        tools = ToolBox(
+            limiter=MemoryLimiter(
+                name="tools",
+                max_concurrent=4,
+                workloads={
+                    "search": Workload(max_concurrent=1, max_wait=10.0),
+                    "payments": Workload(max_concurrent=1, max_wait=0),
+                    "default": Workload(max_wait=30.0),
+                },
+            ),
+            result_budget=40_000,
+            max_calls_per_run=20,
+        )
+
+
+        @tools.tool(pool="search", timeout=10.0)
+        async def search_docs(query: str) -> str: ...
+        ```
     """
 
     __slots__ = ("_calls", "_limiter", "_lock", "_max_calls", "_result_budget", "_tools")
 
     @overload
     def __init__(
-        self: ToolBox[W],
+        self: ToolBox[str],
         *,
-        limiter: _TypedLimiter[W],
+        limiter: Limiter[str],
         result_budget: int | None = ...,
         max_calls_per_run: int | None = ...,
     ) -> None: ...
 
     @overload
     def __init__(
-        self: ToolBox[str],
+        self: ToolBox[W],
         *,
-        limiter: Limiter,
+        limiter: TypedLimiter[W],
         result_budget: int | None = ...,
         max_calls_per_run: int | None = ...,
     ) -> None: ...
@@ -139,7 +138,7 @@ class ToolBox(Generic[W]):
     def __init__(
         self,
         *,
-        limiter: Any,
+        limiter: Limiter[Any],
         result_budget: int | None = None,
         max_calls_per_run: int | None = None,
     ) -> None:

@@ -39,8 +39,9 @@ class ToolCall:
             `"invalid-arguments"` result.
 
     Example:
-        >>> ToolCall(id="toolu_01", name="search_docs", arguments={"query": "refunds"})
-        ToolCall(id='toolu_01', name='search_docs', arguments={'query': 'refunds'})
+        ```python
+        ToolCall(id="toolu_01", name="search_docs", arguments={"query": "refunds"})
+        ```
     """
 
     id: str
