@@ -1438,6 +1438,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         if alive or enqueue:
             await conn.execute(q.alive, [self._owner, self._alive_for()], prepare=False)
         enqueued = counted = None
+        bounded: list[str] = []
         if enqueue:
             enqueued = await conn.execute(
                 q.enqueue,
@@ -1502,7 +1503,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
         epochs: dict[str, int] = {} if marked is None else dict(await marked.fetchall())
         swept_row = await swept.fetchone()
         assert swept_row is not None
-        waiting_in: dict[str, int] = {} if counted is None else dict(await counted.fetchall())
+        waiting_in = dict.fromkeys(bounded, 0)
+        if counted is not None:
+            waiting_in.update(await counted.fetchall())
         loaded = await cur.fetchone()
         assert loaded is not None
         active_rows, queued, head_rows, mine_rows, present_rows, now = loaded
