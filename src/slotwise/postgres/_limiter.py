@@ -1165,7 +1165,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 applying, self._applying = self._applying, None
                 if applying is not None:
                     applying.set()
-        self._settle(cycle)
+        if cycle.error is None:  # else nothing was read: what this process knows stands
+            self._settle(cycle)
         return cycle
 
     def _settle(self, cycle: _Cycle) -> None:
