@@ -43,21 +43,20 @@ BENCH_DB = "slotwise_bench"
 
 async def polling_acquire(limiter: PostgresLimiter[Any], request: AcquireRequest) -> Any:
     """Acquire as the reference implementation does: each waiter polls on its own."""
-    import uuid
+    from slotwise.postgres._limiter import _Waiter
 
-    entry_id = str(uuid.uuid4())
-    cycle = await limiter._run(
-        partial(
-            limiter._cycle, enqueue=(entry_id, request.workload, "r", 3600.0, 0), asked=[entry_id]
-        )
-    )
+    waiter = _Waiter(request.workload, "r", 3600.0)
+    entry_id = waiter.entry_id
+    cycle = await limiter._run(partial(limiter._cycle, enqueue=[waiter], asked=[entry_id]))
     beat = anyio.current_time()
     while entry_id not in cycle.granted:
         await anyio.sleep(limiter.poll_interval)
         heartbeat = anyio.current_time() - beat > limiter.queue_entry_ttl / 3
         if heartbeat:
             beat = anyio.current_time()
-        cycle = await limiter._run(partial(limiter._cycle, asked=[entry_id], heartbeat=heartbeat))
+        cycle = await limiter._run(
+            partial(limiter._cycle, asked=[entry_id], heartbeat=heartbeat, alive=True)
+        )
     return cycle.granted[entry_id]
 
 

@@ -74,29 +74,6 @@ def test_postgres_limiter_skips_only_what_it_does_not_declare() -> None:
     assert skipped == {case.name for case in CASES if case.requires & undeclared}
 
 
-# Known bugs, each marked on exactly the case it breaks; the fix removes its mark.
-KNOWN_BUGS = {
-    "stalled_hand_off": "PostgresLimiter.acquire returns a lease that expired before its "
-    "waiter resumed: no validity check at hand-off",
-    "arrival_order": "PostgresLimiter: requests that arrive together race to the database, "
-    "so they queue in the order their transactions take the lock, not the order of the calls",
-    "blocked_storage": "PostgresLimiter's first allocation waits for the row lock shielded and "
-    "without lock_timeout: neither the deadline nor a cancellation ends that wait",
-}
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(
-            case,
-            id=case.name,
-            marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[case.name])]
-            if case.name in KNOWN_BUGS
-            else [],
-        )
-        for case in CASES
-    ],
-)
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 async def test_conformance(case: ConformanceCase) -> None:
     await case.run()

@@ -6,6 +6,9 @@ Modes:
     hold    holds ``hold`` slots and queues ``queue`` more requests, prints "ready", then
             sleeps until killed.
     start   starts a limiter on a (possibly fresh) schema, takes one slot, prints "ok".
+    chaos   ``tasks`` tasks take slots in a loop, through whatever the database does, until
+            stdin closes; prints "started", then every body's interval on time.monotonic()
+            (one clock for every process of the machine) and the outcomes, as JSON.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import itertools
 import json
 import random
 import sys
+import time
 from typing import Any
 
 import anyio
@@ -40,6 +44,7 @@ def make_limiter(spec: dict[str, Any]) -> PostgresLimiter[str]:
         rate=Rate(**spec["rate"]) if spec.get("rate") else None,
         listen=spec.get("listen", True),
         synchronous_commit=spec.get("synchronous_commit", True),
+        db_timeout=spec.get("db_timeout", 5.0),
     )
 
 
@@ -109,6 +114,46 @@ async def start(spec: dict[str, Any]) -> None:
     print("ok", flush=True)
 
 
+async def chaos(spec: dict[str, Any]) -> None:
+    rng = random.Random(spec["seed"])
+    limiter = make_limiter(spec)
+    intervals: list[tuple[float, float]] = []
+    outcomes: dict[str, int] = {}
+
+    async def loop() -> None:
+        while True:
+            # Most bodies are short; some hold their slot across a fault; some requests are
+            # cancelled, waiting or running.
+            hold = rng.uniform(0.3, 1.2) if rng.random() < 0.1 else rng.uniform(0.005, 0.03)
+            outcome = "completed"
+            try:
+                with anyio.CancelScope() as scope:
+                    if rng.random() < 0.2:
+                        scope.deadline = anyio.current_time() + rng.uniform(0.02, 0.5)
+                    async with limiter.slot():
+                        begin = time.monotonic()
+                        try:
+                            await anyio.sleep(hold)
+                        finally:
+                            intervals.append((begin, time.monotonic()))
+                if scope.cancelled_caught:
+                    outcome = "cancelled"
+            except slotwise.ConcurrencyError as exc:  # anything else ends the worker
+                outcome = type(exc).__name__
+                await anyio.sleep(0.05)
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+    async with limiter:
+        print("started", flush=True)
+        async with anyio.create_task_group() as tg:
+            for _ in range(spec["tasks"]):
+                tg.start_soon(loop)
+            await anyio.to_thread.run_sync(sys.stdin.read)  # until the test closes stdin
+            tg.cancel_scope.cancel()
+    print(json.dumps({"intervals": intervals, "outcomes": outcomes}), flush=True)
+
+
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
-    asyncio.run({"load": load, "hold": hold, "start": start}[spec["mode"]](spec))
+    modes = {"load": load, "hold": hold, "start": start, "chaos": chaos}
+    asyncio.run(modes[spec["mode"]](spec))

@@ -1,4 +1,5 @@
-"""Fixtures for the PostgreSQL tests: a reachable server (or a skip), unique schemas.
+"""Fixtures for the PostgreSQL tests: a reachable server (or a skip), unique schemas, and a
+throwaway server of the tests' own for the tests that restart or kill it.
 
 The server's address comes from SLOTWISE_POSTGRES_DSN (default: the local test server). When
 it is unreachable the tests skip, unless SLOTWISE_REQUIRE_SERVICES=1 makes that a failure.
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -17,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import anyio
 import pytest
@@ -27,7 +31,7 @@ DSN = os.environ.get("SLOTWISE_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5
 REQUIRED = os.environ.get("SLOTWISE_REQUIRE_SERVICES") == "1"
 
 
-def unavailable(reason: str) -> None:
+def unavailable(reason: str) -> NoReturn:
     """Skip, or fail when the services are required."""
     if REQUIRED:
         pytest.fail(f"{reason} (SLOTWISE_REQUIRE_SERVICES=1)")
@@ -157,3 +161,133 @@ def eventually() -> Eventually:
     """``await eventually(check)``: wait until ``check()`` is true (polled: the state lives
     in another process or the database); fail after 20 s, a generous bound."""
     return _eventually
+
+
+# -- a throwaway server, for the tests that restart or kill it -----------------------------
+
+
+class Cluster:
+    """A throwaway PostgreSQL server on a unix socket in a temporary folder."""
+
+    def __init__(self, bindir: Path, root: Path, user: str | None) -> None:
+        self.bindir = bindir
+        self.root = root
+        self.user = user  # the server refuses to run as root: run it as this user then
+        self.port = 5432  # of a socket in a folder of its own: no clash with any server
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.dsn = f"host={root} port={self.port} user=postgres dbname=postgres"
+
+    def init(self) -> None:
+        subprocess.run(
+            [
+                str(self.bindir / "initdb"),
+                "--pgdata",
+                str(self.root / "data"),
+                "--username=postgres",
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--no-sync",
+            ],
+            user=self.user,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def start(self) -> None:
+        with open(self.root / "server.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    str(self.bindir / "postgres"),
+                    "-D",
+                    str(self.root / "data"),
+                    "-k",
+                    str(self.root),
+                    "-p",
+                    str(self.port),
+                    "-c",
+                    "listen_addresses=",
+                    "-c",
+                    "fsync=off",  # a kill -9 of the server loses nothing the OS has
+                ],
+                user=self.user,
+                start_new_session=True,  # its own process group, to kill it whole
+                stdout=log,
+                stderr=log,
+            )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with psycopg.connect(self.dsn, connect_timeout=2) as conn:
+                    conn.execute("SELECT 1")
+                return
+            except psycopg.OperationalError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        "the throwaway server did not start: "
+                        + (self.root / "server.log").read_text(errors="replace")[-2000:]
+                    ) from None
+                time.sleep(0.05)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """A fast shutdown (as ``pg_ctl stop -m fast``): sessions are ended, then it exits."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        """``kill -9`` of the server: the postmaster and every backend at once."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # every backend gone: the next start may begin
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def throwaway_server() -> Iterator[Cluster]:
+    """A PostgreSQL server of the tests' own, started once: ``initdb`` and ``postgres`` from
+    ``pg_config --bindir`` (Debian keeps them off PATH), as the ``postgres`` user when the
+    tests run as root; removed at the end."""
+    pg_config = shutil.which("pg_config")
+    if pg_config is None:
+        unavailable("pg_config is not installed (Debian: apt-get install -y postgresql)")
+    bindir = Path(
+        subprocess.run([pg_config, "--bindir"], capture_output=True, text=True).stdout.strip()
+    )
+    if not (bindir / "initdb").exists():
+        unavailable(f"initdb is not in {bindir} (pg_config --bindir)")
+    user = None
+    if os.geteuid() == 0:
+        try:
+            user = pwd.getpwnam("postgres").pw_name
+        except KeyError:
+            unavailable("running as root, and there is no 'postgres' user to run the server")
+    root = Path(tempfile.mkdtemp(prefix="slotwise-pg-"))
+    cluster = Cluster(bindir, root, user)
+    try:
+        if user is not None:
+            shutil.chown(root, user)
+        cluster.init()
+        cluster.start()
+        yield cluster
+    finally:
+        if cluster.running():
+            cluster.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(throwaway_server: Cluster) -> Cluster:
+    """The throwaway server, running (a test that failed midway may have left it down)."""
+    if not throwaway_server.running():
+        throwaway_server.start()
+    return throwaway_server

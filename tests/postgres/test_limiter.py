@@ -6,9 +6,13 @@ PostgresLimiter is asyncio-only, so these tests run on asyncio (the conftest ove
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import random
 import subprocess
 import sys
+import uuid
 from typing import Any
 
 import anyio
@@ -401,3 +405,355 @@ async def eventually_queued(limiter: PostgresLimiter[Any]) -> None:
             if await queued(limiter, 1):
                 return
             await anyio.sleep(0.01)
+
+
+# -- the database slow, blocked or gone ----------------------------------------------------
+
+
+def causes(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None:
+        chain.append(current)
+        current = current.__cause__
+    return chain
+
+
+async def test_a_refused_database_fails_closed_within_db_timeout(schema: str) -> None:
+    # Port 1 refuses at once: the request fails within a bound set by db_timeout (it used
+    # to retry a 30 s pool timeout five times), naming the refusal.
+    limiter: PostgresLimiter[Any] = PostgresLimiter(
+        "postgresql://postgres@127.0.0.1:1/test?connect_timeout=2",
+        schema=schema,
+        max_concurrent=1,
+        db_timeout=1.0,
+    )
+    try:
+        with anyio.fail_after(15), pytest.raises(slotwise.ConcurrencyLimiterError) as info:
+            async with limiter.slot():
+                pytest.fail("the body must not run")
+        chain = causes(info.value)
+        assert any(isinstance(exc, psycopg.OperationalError) for exc in chain[1:]), chain
+        assert "refused" in str(info.value).lower() or "failed" in str(info.value).lower()
+    finally:
+        await limiter.aclose()
+
+
+async def test_an_exhausted_pool_fails_closed_within_db_timeout(make: Any, tagged_dsn: str) -> None:
+    # Every connection of the caller's pool is held elsewhere: waiting for one is bounded by
+    # db_timeout, not by the pool's own timeout (here 10 s) times the retries.
+    async with AsyncConnectionPool(
+        tagged_dsn, min_size=1, max_size=1, timeout=10, kwargs={"autocommit": True}
+    ) as pool:
+        limiter = make(conninfo=pool, max_concurrent=1, db_timeout=0.5)
+        await limiter.start()
+        async with pool.connection():  # the pool's only connection, held
+            with anyio.fail_after(8), pytest.raises(slotwise.ConcurrencyLimiterError) as info:
+                async with limiter.slot():
+                    pytest.fail("the body must not run")
+        assert "no free connection in the pool" in str(info.value)
+        async with limiter.slot():  # and it works again once a connection is free
+            pass
+
+
+async def test_a_stalled_lock_holder_bounds_release_and_acquire_keeps_its_deadline(
+    make: Any, dsn: str, schema: str
+) -> None:
+    # Another process stalled while it held the limiter's row lock: a request with a 0.5 s
+    # deadline ends at it, and a release gives up after db_timeout (the lease expires by
+    # itself), instead of both waiting for the stall to end.
+    limiter = make(max_concurrent=1, db_timeout=1.0)
+    held = await limiter.acquire(request())
+    async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.transaction():
+        await conn.execute(f'SELECT 1 FROM "{schema}".limiters FOR UPDATE'.encode())
+        started = anyio.current_time()
+        with anyio.fail_after(4), pytest.raises(slotwise.ConcurrencyTimeoutError):
+            await limiter.acquire(request(deadline=started + 0.5))
+        with anyio.fail_after(6), pytest.raises(psycopg.OperationalError):
+            await limiter.release(held)
+    await limiter.release(held)
+    stats = await limiter.stats()
+    assert (stats.active, stats.queued) == (0, 0)
+
+
+async def test_cancelled_waits_print_no_warnings_and_normal_use_logs_nothing(
+    make: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    caplog.set_level(logging.DEBUG, logger="slotwise")
+    limiter = make(max_concurrent=2)
+    rng = random.Random(3)
+
+    async def one() -> None:
+        with anyio.move_on_after(rng.uniform(0, 0.05)):
+            async with limiter.slot():
+                await anyio.sleep(rng.uniform(0, 0.02))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(60):
+            tg.start_soon(one)
+    stats = await limiter.stats()
+    assert (stats.active, stats.queued) == (0, 0)
+    await limiter.aclose()
+    assert [record.getMessage() for record in caplog.records] == []
+
+
+# -- the database's limits on what it is given ---------------------------------------------
+
+
+async def test_a_long_multibyte_grant_list_never_fails_an_allocation(
+    make: Any, eventually: Any
+) -> None:
+    # One cycle grants 35 slots to another process's requests of a workload whose name is
+    # 60 Japanese characters (180 bytes): the notification must not fail the allocation.
+    workload = "日本語のワークロード" * 6
+    limits: dict[str, Any] = {
+        "max_concurrent": 35,
+        "workloads": {workload: Workload()},
+        "queue_entry_ttl": 120,
+    }
+    holder = make(**limits, lease_ttl=1.0)
+    waiting = make(**limits, poll_interval=30.0)  # grants reach it by notification only
+    releaser = make(**limits)
+    for _ in range(35):
+        await holder.acquire(request(workload))  # never renewed: they expire together
+    got: list[Any] = []
+
+    async def wait() -> None:
+        got.append(await waiting.acquire(request(workload)))
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for _ in range(35):
+                tg.start_soon(wait)
+            await eventually(lambda: queued(releaser, 35))
+            await anyio.sleep(1.2)  # the holder's leases expire
+            # One cycle of another process grants all 35 (and notifies the waiting one).
+            await releaser.release(
+                slotwise.Lease(lease_id=str(uuid.uuid4()), workload=workload, expires_at=0.0)
+            )
+    assert len(got) == 35
+    assert (await releaser.stats()).active == 35
+
+
+async def test_huge_ttls_are_refused_and_huge_waits_wait(make: Any, eventually: Any) -> None:
+    for setting in ("lease_ttl", "queue_entry_ttl"):
+        with pytest.raises(slotwise.ConcurrencyConfigError, match=setting):
+            make(max_concurrent=1, **{setting: 1e13})
+    limiter = make(max_concurrent=1, workloads={"default": Workload(max_wait=1e13)})
+    held = await limiter.acquire(request())
+    far = anyio.current_time() + 1e13
+    with anyio.move_on_after(1) as waited:  # it waits, instead of failing
+        await limiter.acquire(request(deadline=far))
+    assert waited.cancelled_caught
+    got: list[Any] = []
+
+    async def wait() -> None:
+        got.append(await limiter.acquire(request(deadline=far)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        await eventually(lambda: queued(limiter, 1))
+        await limiter.release(held)
+    assert len(got) == 1
+    await limiter.release(got[0])
+
+
+# -- limits replaced while leases are held --------------------------------------------------
+
+
+async def test_replaced_limits_count_every_held_lease_and_old_holders_release(
+    make: Any,
+) -> None:
+    old = make(max_concurrent=4, workloads={"old": Workload()})
+    held = [await old.acquire(request("old")) for _ in range(4)]
+    new = make(max_concurrent=2, workloads={"new": Workload(max_wait=0.3)}, on_conflict="replace")
+    # The 4 old leases still run: nothing is granted under max_concurrent=2.
+    with pytest.raises(slotwise.ConcurrencyTimeoutError):
+        async with new.slot("new"):
+            pytest.fail("4 leases are held: no slot of 2 is free")
+    for lease in held[:3]:
+        await old.release(lease)  # the old holder can still release under the new limits
+    async with new.slot("new"):  # one old lease is left: one slot is free, not two
+        with pytest.raises(slotwise.ConcurrencyTimeoutError):
+            async with new.slot("new", allow_nested=True):
+                pytest.fail("an old lease and this slot hold both slots")
+    await old.release(held[3])
+    async with new.slot("new"), new.slot("new", allow_nested=True):
+        assert (await new.stats()).active == 2
+
+
+# -- the listener ---------------------------------------------------------------------------
+
+
+async def listener_pid(dsn: str, schema: str) -> int | None:
+    """The backend of a limiter's listening connection (tagged with the schema's name)."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s "
+            "AND query LIKE 'LISTEN%%' AND state = 'idle'",
+            [schema],
+        )
+        row = await cur.fetchone()
+    return None if row is None else int(row[0])
+
+
+async def test_a_forged_notification_grants_nothing(
+    make: Any, dsn: str, schema: str, eventually: Any
+) -> None:
+    # Any role may NOTIFY on the channel: a payload that claims a grant for a waiting
+    # entry (its owner and entry id are readable in the queue table) must not be believed.
+    limits: dict[str, Any] = {"max_concurrent": 1, "poll_interval": 30.0, "queue_entry_ttl": 120}
+    a, b = make(**limits), make(**limits)
+    held = await a.acquire(request())
+    got: list[Any] = []
+
+    async def wait() -> None:
+        got.append(await b.acquire(request()))
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await eventually(lambda: queued(a, 1))
+
+            async def listening() -> bool:
+                return await listener_pid(dsn, schema) is not None
+
+            await eventually(listening)
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                cur = await conn.execute(
+                    f'SELECT owner::text, entry_id::text FROM "{schema}".queue'.encode()
+                )
+                owner, entry_id = await cur.fetchone()  # type: ignore[misc]
+                forged = str(uuid.uuid4())
+                for payload in (
+                    {"g": [[owner, entry_id, forged, "default", 4e9]]},
+                    {"k": [owner]},
+                    {"k": "*"},
+                    "not json",
+                ):
+                    await conn.execute(
+                        "SELECT pg_notify(%s, %s)", [f"slotwise.{schema}", json.dumps(payload)]
+                    )
+            await anyio.sleep(0.5)
+            assert got == [], "a forged notification was taken for a grant"
+            assert (await a.stats()).active == 1
+            await a.release(held)  # a true grant, told by a true notification
+    assert len(got) == 1
+    assert got[0].lease_id != forged
+    assert await b.renew(got[0]) is not None
+    await b.release(got[0])
+
+
+async def test_the_listening_connection_has_tcp_keepalive(
+    make: Any, dsn: str, schema: str, eventually: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[Any] = []
+    connect = psycopg.AsyncConnection.connect
+
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        conn = await connect(*args, **kwargs)
+        made.append(conn)
+        return conn
+
+    monkeypatch.setattr(psycopg.AsyncConnection, "connect", recording)
+    limiter = make(max_concurrent=1)
+    held = await limiter.acquire(request())
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(limiter.acquire, request())
+
+        async def listening() -> bool:
+            return await listener_pid(dsn, schema) is not None
+
+        await eventually(listening)
+        pid = await listener_pid(dsn, schema)
+        (conn,) = [c for c in made if not c.closed and c.info.backend_pid == pid]
+        params = conn.info.get_parameters()
+        assert params.get("keepalives") == "1", params
+        assert "keepalives_idle" in params
+        await limiter.release(held)
+
+
+# -- threads, event loops and sync code -----------------------------------------------------
+
+
+async def test_sync_code_is_refused_with_what_to_do(make: Any) -> None:
+    limiter = make(max_concurrent=1)
+
+    def in_a_thread() -> None:
+        with slotwise.sync_slot(limiter=limiter):
+            pytest.fail("the body must not run")
+
+    with pytest.raises(slotwise.ConcurrencyConfigError) as info:
+        await anyio.to_thread.run_sync(in_a_thread)
+    assert "async with limiter.slot()" in str(info.value)
+    assert "its own PostgresLimiter with the same name" in str(info.value)
+
+
+async def test_a_second_event_loop_is_refused_at_once(make: Any, eventually: Any) -> None:
+    # Busy on this loop (a slot held, a request waiting), the limiter is used from an event
+    # loop of another thread: a clear error at once, where that request used to wait forever
+    # (its grant would have been handed over on this loop).
+    limiter = make(max_concurrent=1)
+    held = await limiter.acquire(request())
+
+    async def elsewhere() -> None:
+        async with limiter.slot():
+            pytest.fail("the body must not run")
+
+    def other_loop() -> None:
+        asyncio.run(asyncio.wait_for(elsewhere(), 10))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(limiter.acquire, request())
+        await eventually(lambda: queued(limiter, 1))
+        with pytest.raises(slotwise.ConcurrencyConfigError, match="another event loop"):
+            await anyio.to_thread.run_sync(other_loop)
+        await limiter.release(held)
+
+
+def test_one_event_loop_after_another(tagged_dsn: str, schema: str) -> None:
+    # asyncio.run() twice in a script, without aclose() in between: the second loop starts
+    # the limiter anew (the first one's tasks ended with it).
+    limiter: PostgresLimiter[Any] = PostgresLimiter(tagged_dsn, schema=schema, max_concurrent=1)
+
+    async def use() -> int:
+        async with limiter.slot():
+            return (await limiter.stats()).active
+
+    assert asyncio.run(use()) == 1
+    assert asyncio.run(use()) == 1
+
+    async def close() -> None:
+        await limiter.aclose()
+
+    asyncio.run(close())
+
+
+async def test_aclose_with_requests_waiting_leaves_nothing_running(make: Any) -> None:
+    limiter = make(max_concurrent=1)
+    held = await limiter.acquire(request())
+    errors: list[BaseException] = []
+
+    async def wait() -> None:
+        try:
+            await limiter.acquire(request())
+        except slotwise.ConcurrencyLimiterError as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(wait)
+        await eventually_queued(limiter)
+        await limiter.aclose()
+    assert len(errors) == 3
+    # Nothing of the limiter runs on after aclose(): no poller, no listener, no transaction.
+    await anyio.sleep(0.2)
+    names = {task.get_coro().__qualname__ for task in asyncio.all_tasks()}  # type: ignore[union-attr]
+    assert not any(name.startswith("PostgresLimiter.") for name in names), names
+    # The closed requests left the queue with it: the slot freed next is not lost to one.
+    assert (await limiter.stats()).queued == 0
+    await limiter.release(held)
+    with anyio.fail_after(10):
+        async with limiter.slot():
+            pass

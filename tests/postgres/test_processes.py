@@ -253,3 +253,57 @@ async def test_a_worker_with_other_limits_fails(tagged_dsn: str, schema: str) ->
         assert proc.returncode != 0
         assert "ConcurrencyConfigError" in err
         assert slotwise.ConcurrencyConfigError.__name__ in err
+
+
+async def test_a_dead_workers_waiting_requests_are_not_granted(
+    tagged_dsn: str, schema: str, eventually: Any
+) -> None:
+    # Its queue entries live until queue_entry_ttl (60 s here), but from about a second
+    # after it died (five of its poll intervals, at least one second) they are passed over:
+    # the slot freed below goes to the live request queued after them, not to a dead one
+    # for lease_ttl (60 s here).
+    spec: dict[str, Any] = {
+        "mode": "hold",
+        "dsn": tagged_dsn,
+        "schema": schema,
+        "name": "dead",
+        "max_concurrent": 1,
+        "lease_ttl": 60.0,
+        "queue_entry_ttl": 60.0,
+        "poll_interval": 0.05,
+        "hold": 0,
+        "queue": 2,
+    }
+    survivor: PostgresLimiter[Any] = PostgresLimiter(
+        tagged_dsn, name="dead", schema=schema, max_concurrent=1, lease_ttl=60.0, poll_interval=0.05
+    )
+    async with survivor:
+        held = await survivor.acquire(AcquireRequest(workload="default", request_id="held"))
+        proc = spawn(spec)
+        try:
+            line = await anyio.to_thread.run_sync(proc.stdout.readline)  # type: ignore[union-attr]
+            assert line.strip() == "ready", proc.stderr.read() if proc.stderr else ""
+            got: list[Any] = []
+
+            async def wait() -> None:
+                got.append(
+                    await survivor.acquire(AcquireRequest(workload="default", request_id="live"))
+                )
+
+            # Far below lease_ttl: the slot must not have gone to a dead request.
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(wait)
+                    await eventually(lambda: queued(survivor, 3))
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.communicate()
+                    await anyio.sleep(2.0)  # past the dead worker's last word
+                    await survivor.release(held)
+            await survivor.release(got[0])
+        finally:
+            proc.kill()
+            proc.communicate()
+
+
+async def queued(limiter: PostgresLimiter[Any], count: int) -> bool:
+    return (await limiter.stats()).queued >= count

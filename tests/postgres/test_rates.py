@@ -535,6 +535,9 @@ async def test_set_limits_refuses_the_waiters_of_a_removed_workload_in_every_pro
             await limiter.set_limits(workloads={"kept": Workload()})
         assert len(errors) == 1
         assert "removed" in str(errors[0])
+        # The failed request's entry leaves the queue with its process's next cycle, which
+        # that process's stats() waits for.
+        await other.stats()
         stats = await limiter.stats()
         assert stats.workloads["old"].active == 1  # still counted, until released
         assert stats.queued == 0
@@ -574,6 +577,41 @@ async def test_a_workload_queue_bound_holds_across_processes(make: Make, eventua
         await eventually(lambda: queued(limiter, 3))
         await holder.release()
     assert (await limiter.stats()).active == 0
+
+
+async def test_a_workload_queue_bound_refuses_the_last_of_requests_made_together(
+    make: Make,
+) -> None:
+    # Requests made together enter the database as one batch, in call order: the bound
+    # counts the batch's own entries, and refuses the last ones.
+    limiter = make(
+        max_concurrent=1,
+        workloads={"background": Workload(max_queued=2), "interactive": Workload()},
+    )
+    holder = await acquire("background", limiter=limiter)
+    outcomes: dict[int, str] = {}
+    refused = anyio.Event()
+
+    async def request(n: int) -> None:
+        try:
+            async with limiter.slot("background", allow_nested=True):
+                outcomes[n] = "served"
+        except ConcurrencyQueueFullError as exc:
+            outcomes[n] = str(exc)
+            if len(outcomes) == 2:
+                refused.set()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for n in range(4):
+                tg.start_soon(request, n)
+            await refused.wait()
+            await holder.release()
+    full = (
+        "2 requests of workload 'background' are already waiting (its max_queued=2) "
+        "(limiter 'claude', workload 'background')"
+    )
+    assert outcomes == {0: "served", 1: "served", 2: full, 3: full}
 
 
 async def _true() -> bool:

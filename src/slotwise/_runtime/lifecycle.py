@@ -710,10 +710,12 @@ def acquire_sync(
         raise slot._fill(exc)
     take = type(limiter)._take_blocking if can_block(limiter) else None
     if take is None:
+        # A limiter class may say what to do instead (a class attribute, `_sync_advice`).
+        advice = getattr(type(limiter), "_sync_advice", None)
         exc = ConcurrencyConfigError(
             f"limiter {slot.limiter_name!r} ({type(limiter).__name__}) cannot be used from "
             "code without an event loop: sync_slot() needs a limiter that can wait by "
-            "blocking a thread, such as MemoryLimiter"
+            "blocking a thread, such as MemoryLimiter" + (f". {advice}" if advice else "")
         )
         slot._emit(ConfigErrorEvent, error=_describe(exc))
         raise slot._fill(exc)

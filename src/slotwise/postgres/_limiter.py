@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -11,9 +12,10 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from datetime import datetime
 from functools import partial
 from types import TracebackType
-from typing import Any, Literal, TypeVar, final, overload
+from typing import Any, ClassVar, Literal, TypeVar, final, overload
 
 import anyio
 import attrs
@@ -21,7 +23,7 @@ import psycopg
 from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 from psycopg import sql
 from psycopg.rows import TupleRow
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .._base import BuiltinLimiter
 from .._config import (
@@ -55,7 +57,7 @@ from .._protocol import AcquireRequest, Lease, SupportsLease, W
 from .._runtime.lifecycle import SlotContext
 from .._stats import BucketStats, LimiterStats
 from ..memory import UNCHANGED, Unchanged
-from ._schema import NEWEST_COLUMN, channel_name, schema_ddl
+from ._schema import NEWEST_COLUMN, NEWEST_TABLE, channel_name, schema_ddl
 
 __all__ = ("PostgresLimiter",)
 
@@ -63,6 +65,21 @@ T = TypeVar("T")
 Conn = psycopg.AsyncConnection[TupleRow]
 
 _logger = logging.getLogger("slotwise")
+
+# The longest duration the database's timestamps take in stride (clock_timestamp() plus more
+# than about 290,000 years overflows): about 31 years. TTLs are checked against it; a longer
+# wait waits with no deadline in the database (this process still ends it on time).
+_MAX_SECONDS = 1e9
+# TCP keepalive of the listening connection, unless its conninfo sets its own: a connection
+# that died without a word (a half-open socket) is noticed within about a minute.
+# How long the limiter's own pool keeps trying to remake a lost connection (see _own_pool).
+_RECONNECT = 2.0
+_KEEPALIVE = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
 
 
 @attrs.frozen(kw_only=True)
@@ -96,7 +113,13 @@ class _Cycle:
     granted: dict[str, Lease]  # this process's entries that hold a lease now
     present: frozenset[str]  # this process's asked-about entries still queued
     queued: int  # live entries, ours included
-    full: str | None  # why the request enqueued by this cycle was refused (max_queued)
+    # Entries enqueued by this cycle and dropped at once: "no-wait", or why the queue is
+    # full (max_queued, the limiter's or the workload's).
+    refused: dict[str, str] = attrs.field(factory=dict)
+    since: dict[str, datetime] = attrs.field(factory=dict)  # their enqueued_at (database)
+    # The stored limits are not this process's: nothing was allocated (releases and
+    # withdrawals were still applied); the waiters of this process fail with it.
+    error: ConcurrencyConfigError | None = None
     settings: tuple[Settings, int] | None = None  # the limits in force, when they changed
     changes: tuple[tuple[int, int, str], ...] = ()  # (old, new, reason) of the limit in force
     wake: float | None = None  # seconds until time alone can grant something
@@ -125,7 +148,7 @@ class _Observed:
     remaining: int
 
 
-_Pending = _Pushback | _Charge | _Observed
+_Learned = _Pushback | _Charge | _Observed
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -205,15 +228,39 @@ class _Pace:
 
 @final
 class _Waiter:
-    __slots__ = ("entry_id", "error", "event", "lease", "queued", "workload")
+    __slots__ = (
+        "entry_id",
+        "error",
+        "event",
+        "lease",
+        "refused",
+        "request_id",
+        "since",
+        "tokens",
+        "until",
+        "wait",
+        "workload",
+    )
 
-    def __init__(self, entry_id: str, workload: str) -> None:
-        self.entry_id = entry_id
+    def __init__(
+        self,
+        workload: str,
+        request_id: str,
+        wait: float,
+        since: datetime | None = None,
+        tokens: int = 0,
+    ) -> None:
+        self.entry_id = str(uuid.uuid4())
         self.workload = workload
-        self.queued = False  # its queue entry is committed
+        self.request_id = request_id
+        self.tokens = tokens  # its token estimate, charged at grant
+        self.wait = wait  # seconds it may wait, from when it is enqueued
+        self.until = anyio.current_time() + wait  # when it stops waiting
+        self.since = since  # enqueued_at in the database: a request queued again keeps it
         self.event = anyio.Event()
         self.lease: Lease | None = None
         self.error: BaseException | None = None
+        self.refused = False  # the allocation dropped its entry at once (set with event)
 
 
 @final
@@ -228,7 +275,15 @@ class PostgresLimiter(BuiltinLimiter[W]):
     load grows with processes, not with waiters.
 
     asyncio only (psycopg's async API): under trio, `acquire` fails with
-    `ConcurrencyConfigError`.
+    `ConcurrencyConfigError`. A limiter belongs to the event loop that started it (its pool,
+    poller and listener live there): another loop or thread gets `ConcurrencyConfigError`;
+    give it a limiter object of its own with the same name, which shares the same slots. Once
+    that loop has ended (`asyncio.run()` returned), the next one may use it.
+
+    Every step that needs the database (a connection, the limiter's lock, a statement) is
+    bounded by `db_timeout`: past it, the request fails closed. A waiting request keeps its
+    deadline and its cancellation whatever the database does: the poller talks to the
+    database, the request only waits for its answer.
 
     Args:
         conninfo: A libpq connection string (the limiter creates and closes its own pool),
@@ -247,7 +302,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
             (`slotwise.Adaptive`), stored with the limiter: every process grants under it.
         poll_interval: Seconds between the allocation checks of a process that has waiting
             requests (notifications make most grants faster than this).
-        queue_entry_ttl: Seconds after which a dead process's queue entries are dropped.
+        queue_entry_ttl: Seconds after which a dead process's queue entries are dropped
+            (they are no longer granted slots from about a second after it died).
         schema: The schema of the tables (quoted as an identifier).
         ensure_schema: Create the tables on first use; False when a migration applied
             `schema_sql()`.
@@ -263,6 +319,10 @@ class PostgresLimiter(BuiltinLimiter[W]):
             moments (up to three ``wal_writer_delay``) are lost, so a slot granted just
             before the crash may be granted again until its holder's next renewal finds
             the lease gone and cancels its body.
+        db_timeout: Seconds one database step may take: waiting for a pool connection, for
+            the limiter's row lock, or for a statement. Past it the request fails closed
+            with `ConcurrencyLimiterError` (a refused connection, a pool whose connections
+            are all held, a process stalled while holding the lock).
 
     Raises:
         ConcurrencyConfigError: a setting is invalid; the message names it.
@@ -276,7 +336,16 @@ class PostgresLimiter(BuiltinLimiter[W]):
         ```
     """
 
+    # What code without an event loop (sync_slot(), a sync HTTP client) should do instead.
+    _sync_advice: ClassVar[str] = (
+        "A PostgresLimiter waits on the asyncio event loop that started it: take the slot in "
+        "a coroutine with `async with limiter.slot()` (run by asyncio.run(), or from a worker "
+        "thread of that loop by anyio.from_thread.run()); a thread that runs its own event "
+        "loop needs its own PostgresLimiter with the same name, which shares the same slots"
+    )
+
     __slots__ = (
+        "_abandoned",
         "_applying",
         "_backoffs",
         "_base",
@@ -285,8 +354,12 @@ class PostgresLimiter(BuiltinLimiter[W]):
         "_flush_kick",
         "_flusher",
         "_kick",
+        "_learned",
         "_listen",
         "_listener",
+        "_listening",
+        "_loop",
+        "_offset",
         "_owner",
         "_owns_pool",
         "_paused_until",
@@ -295,12 +368,15 @@ class PostgresLimiter(BuiltinLimiter[W]):
         "_pool",
         "_q",
         "_queue_entry_ttl",
+        "_rounds",
         "_settings_json",
         "_start_lock",
         "_started",
+        "_tasks",
         "_version",
         "_waiters",
         "_wake_at",
+        "db_timeout",
         "ensure_schema",
         "on_conflict",
         "poll_interval",
@@ -328,6 +404,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         on_conflict: Literal["error", "replace"] = ...,
         listen: bool | str = ...,
         synchronous_commit: bool = ...,
+        db_timeout: float = ...,
     ) -> None: ...
 
     @overload
@@ -350,6 +427,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         on_conflict: Literal["error", "replace"] = ...,
         listen: bool | str = ...,
         synchronous_commit: bool = ...,
+        db_timeout: float = ...,
     ) -> None: ...
 
     def __init__(
@@ -371,6 +449,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         on_conflict: Literal["error", "replace"] = "error",
         listen: bool | str = True,
         synchronous_commit: bool = True,
+        db_timeout: float = 5.0,
     ) -> None:
         self._settings: Settings = build_settings(
             name=name,
@@ -384,6 +463,13 @@ class PostgresLimiter(BuiltinLimiter[W]):
         )
         seconds("poll_interval", poll_interval, finite=True)
         seconds("queue_entry_ttl", queue_entry_ttl, finite=True)
+        seconds("db_timeout", db_timeout, finite=True)
+        for setting, value in (("lease_ttl", lease_ttl), ("queue_entry_ttl", queue_entry_ttl)):
+            if value > _MAX_SECONDS:
+                raise ConcurrencyConfigError(
+                    f"{setting} must be at most {_MAX_SECONDS:g} seconds (about 31 years; the "
+                    f"database's timestamps overflow beyond), got {value!r}"
+                )
         if not isinstance(schema, str) or not schema:
             raise ConcurrencyConfigError(f"schema must be a non-empty string, got {schema!r}")
         if on_conflict not in ("error", "replace"):
@@ -408,24 +494,36 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self.on_conflict = on_conflict
         self._listen = listen
         self.synchronous_commit = bool(synchronous_commit)
+        self.db_timeout = float(db_timeout)
         self._settings_json = json.dumps(_stored_limits(self._settings), sort_keys=True)
         self._channel = channel_name(schema)
         self._owner = str(uuid.uuid4())
         self._q = _Queries(schema)
         self._started = False
         self._start_lock: asyncio.Lock | None = None
-        self._waiters: dict[str, _Waiter] = {}
+        self._waiters: dict[str, _Waiter] = {}  # local requests waiting, by queue entry
+        self._pending: dict[str, _Waiter] = {}  # those not yet enqueued, in arrival order
+        # Entries of requests that ended without their lease, with when: the poller drops
+        # them, and gives back any slot granted to them.
+        self._abandoned: dict[str, float] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()  # transactions running (see _run)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
         self._poller: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
+        self._listening: Conn | None = None  # the listener's connection, while it has one
         self._kick: anyio.Event | None = None
+        self._rounds: anyio.Event | None = None  # set after each round of the poller
         self._beat_at = -math.inf
+        # The database clock minus this loop's clock, as last measured (an upper bound, so
+        # a lease's expiry converted with it is never later than the truth).
+        self._offset: float | None = None
         # The limits given here; those in force may have been changed by set_limits(), in
         # this process or another: limits_version in the limiter's row says which.
         self._base = self._settings
         self._version = 0
         # Pushback, token corrections and the provider's remaining counts, learned by sync
         # calls of held slots and stored by this process's next transaction.
-        self._pending: list[_Pending] = []
+        self._learned: list[_Learned] = []
         self._applying: anyio.Event | None = None  # set when that transaction ended
         self._flusher: asyncio.Task[None] | None = None
         self._flush_kick: anyio.Event | None = None
@@ -459,21 +557,56 @@ class PostgresLimiter(BuiltinLimiter[W]):
     ) -> None:
         await self.aclose()
 
+    def _check_loop(self) -> None:
+        """Refuse a second event loop: the pool, the poller and the listener belong to the
+        loop that started the limiter (a request on another would never be woken)."""
+        _require_asyncio()
+        loop = asyncio.get_running_loop()
+        if self._loop is None or self._loop is loop:
+            return
+        if self._loop.is_closed():
+            self._forget_loop()  # that loop has ended (asyncio.run() returned): start anew
+            return
+        raise ConcurrencyConfigError(
+            f"PostgresLimiter {self.name!r} is in use on another event loop (the one that "
+            "started it, where its connections, poller and listener live), so it cannot serve "
+            "this one. Give each event loop or thread its own PostgresLimiter with the same "
+            "name and limits (they share one capacity through the database), or run this code "
+            "on the limiter's loop (asyncio.run_coroutine_threadsafe)"
+        )
+
+    def _forget_loop(self) -> None:
+        """Drop what lived on an event loop that has ended (its tasks ended with it)."""
+        self._started = False
+        self._loop = self._start_lock = None
+        self._poller = self._listener = self._flusher = None
+        self._kick = self._rounds = self._flush_kick = self._applying = None
+        self._listening = None
+        self._wake_at = math.inf
+        self._waiters.clear()
+        self._pending.clear()
+        self._abandoned.clear()
+        self._tasks.clear()
+        self._owner = str(uuid.uuid4())  # what the old loop left behind is a dead process's
+        if self._owns_pool:
+            self._pool = _own_pool(self._pool.conninfo)  # type: ignore[arg-type]
+
     async def start(self) -> None:
         """Open the pool, create the schema if asked, and check or store the limits.
 
         Done on first use anyway; call it (or ``async with limiter``) to fail early.
 
         Raises:
-            ConcurrencyConfigError: the limits differ from those stored for this name, or
-                the event loop is not asyncio.
+            ConcurrencyConfigError: the limits differ from those stored for this name, the
+                event loop is not asyncio, or the limiter is in use on another event loop.
         """
-        _require_asyncio()
+        self._check_loop()
         if self._started:
             await checkpoint()
             return
         if self._start_lock is None:
             self._start_lock = asyncio.Lock()
+            self._loop = asyncio.get_running_loop()
         async with self._start_lock:
             if self._started:
                 return
@@ -493,6 +626,10 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     async def aclose(self) -> None:
         """Stop the poller and the listener, and close the pool if the limiter made it."""
+        self._check_loop()
+        if self._loop is None:  # never started, or its event loop ended: nothing runs
+            return
+        started, self._started = self._started, False  # requests ending now start nothing
         for task in (self._poller, self._listener, self._flusher):
             if task is not None:
                 task.cancel()
@@ -501,13 +638,31 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 with anyio.CancelScope(shield=True):
                     await asyncio.gather(task, return_exceptions=True)
         self._poller = self._listener = self._flusher = None
+        self._flush_kick = None
+        # The entries of the requests failed here, and of those that ended lately, go now
+        # (not when they go stale), with any slot granted to them.
+        withdraw = [*self._abandoned, *(e for e in self._waiters if e not in self._pending)]
         for waiter in self._waiters.values():
             waiter.error = ConcurrencyLimiterError("the limiter was closed")
             waiter.event.set()
         self._waiters.clear()
+        self._pending.clear()
+        self._abandoned.clear()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(3 * self.db_timeout):
+            while self._tasks:  # transactions under way end before the withdrawal
+                await asyncio.wait(set(self._tasks))
+            if withdraw and started:
+                with contextlib.suppress(Exception):  # else they go stale; leases expire
+                    await self._run(partial(self._cycle, withdraw=withdraw))
+            while self._tasks:  # and before their pool closes
+                await asyncio.wait(set(self._tasks))
         if self._owns_pool:
-            await self._pool.close()
-        self._started = False
+            with anyio.CancelScope(shield=True):
+                await self._pool.close()
+        self._loop = self._start_lock = None
+        # A new identity for the next start: anything of this one left behind is a dead
+        # process's, passed over at once.
+        self._owner = str(uuid.uuid4())
 
     def slot(
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
@@ -517,9 +672,16 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     async def stats(self) -> LimiterStats:
         """Active and queued requests across every process, in total and per workload, and
-        the rate buckets, the pause and the limit in force, which every process shares."""
+        the rate buckets, the pause and the limit in force, which every process shares.
+
+        Requests of this process that ended are out of the queue first (when the database
+        answers within `db_timeout`): the figures include what this process did.
+        """
         await self.start()
-        if self._pending or self._applying is not None:
+        with anyio.move_on_after(self.db_timeout):
+            while self._abandoned and self._rounds is not None:
+                await self._rounds.wait()
+        if self._learned or self._applying is not None:
             # What this process learned from the provider counts already.
             cycle = await self._run_cycle()
             self._deliver(cycle.granted)
@@ -640,18 +802,25 @@ class PostgresLimiter(BuiltinLimiter[W]):
     async def acquire(self, request: AcquireRequest[W]) -> Lease:
         """Wait for a slot (see `slotwise.Limiter`); safe to cancel at any point.
 
+        The request joins this process's queue at once (requests made together enter the
+        database in the order of the calls); the poller enqueues it, and hands it its lease.
+        Its deadline and a cancellation end the wait at once, whatever the database does; its
+        queue entry, and a slot granted to it meanwhile, then go back in the poller's next
+        cycle.
+
         Raises:
             ConcurrencyTimeoutError: no slot before the deadline or ``max_wait``.
             ConcurrencyQueueFullError: ``max_queued`` requests were already waiting (the
                 limiter's, or its workload's).
-            ConcurrencyConfigError: unknown workload, limits changed, not asyncio, or a
-                token estimate that one of its rate buckets can never hold.
+            ConcurrencyConfigError: unknown workload, limits changed, not asyncio, the
+                limiter is in use on another event loop, or a token estimate that one of its
+                rate buckets can never hold.
             psycopg.Error: the database failed (the runtime reports it as
                 ``ConcurrencyLimiterError``).
         """
         await checkpoint_if_cancelled()
         workload = resolve_workload(self._settings, request.workload)
-        await self.start()
+        self._check_loop()
         tokens = request.tokens
         if tokens and self._settings.rules.buckets:
             check_cost(
@@ -660,77 +829,71 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 {"requests": 1, "tokens": tokens},
             )
         started = anyio.current_time()
-        wait = math.inf if request.deadline is None else request.deadline - started
+        end = math.inf if request.deadline is None else request.deadline
         max_wait = self._settings.workloads[workload].max_wait
         if max_wait is not None:
-            wait = min(wait, max_wait)
-        wait = max(wait, 0.0)
-        waiter = _Waiter(str(uuid.uuid4()), workload)
-        self._waiters[waiter.entry_id] = waiter
-        queued = True  # the entry may exist in the database: clean up on the way out
+            end = min(end, started + max_wait)
+        waiter = self._enter(workload, request.request_id, max(end - started, 0.0), tokens=tokens)
         try:
-            with anyio.CancelScope(shield=True):
-                cycle = await self._run_cycle(
-                    enqueue=(waiter.entry_id, workload, request.request_id, wait, tokens),
-                    asked=[waiter.entry_id],
-                    retry=False,
-                )
-            waiter.queued = True
-            self._deliver(cycle.granted)
-            if waiter.lease is not None:
-                await checkpoint_if_cancelled()
-                return waiter.lease
-            if cycle.full is not None:
-                queued = False
-                raise ConcurrencyQueueFullError(cycle.full)
-            if wait > 0:
-                self._ensure_poller()
-                with anyio.move_on_after(wait):
+            await self.start()
+            while True:
+                self._wake_poller()
+                if waiter.wait > 0:
+                    with anyio.move_on_after(end - anyio.current_time()):
+                        await waiter.event.wait()
+                else:  # no time to wait: one allocation says whether a slot is free now
                     await waiter.event.wait()
-            if waiter.error is not None:
-                raise waiter.error
-            if waiter.lease is not None:
-                return waiter.lease
-            # The deadline passed: leave the queue, unless a slot was granted just before it.
-            self._waiters.pop(waiter.entry_id, None)
-            with anyio.CancelScope(shield=True):
-                lease, _ = await self._run(partial(self._withdraw, entry_id=waiter.entry_id))
-            queued = False
-            if lease is not None:
-                waiter.lease = lease
-                await checkpoint_if_cancelled()
-                return lease
-            raise wait_timeout(
-                anyio.current_time() - started,
-                max_wait,
-                max_wait is not None
-                and (request.deadline is None or started + max_wait <= request.deadline),
-            )
+                if waiter.error is not None:
+                    raise waiter.error
+                lease = waiter.lease
+                if lease is None:
+                    raise wait_timeout(
+                        anyio.current_time() - started,
+                        max_wait,
+                        max_wait is not None
+                        and (request.deadline is None or started + max_wait <= request.deadline),
+                    )
+                if self._offset is None or lease.expires_at - self._offset > anyio.current_time():
+                    return lease
+                # The lease ran out before this request resumed (its event loop stalled), and
+                # its slot may have gone to another: never enter on it. The request waits
+                # again, in the place it had in the queue.
+                self._abandoned[waiter.entry_id] = anyio.current_time()
+                waiter = self._enter(
+                    workload,
+                    request.request_id,
+                    max(end - anyio.current_time(), 0.0),
+                    since=waiter.since,
+                    tokens=tokens,
+                )
         except BaseException:
-            # Cancelled or failed: leave the queue and give back a slot granted in the same
-            # moment. A database that is down leaves the entry to go stale and the lease to
-            # expire; either way nothing stays held.
-            self._waiters.pop(waiter.entry_id, None)
-            if queued or waiter.lease is not None:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        if waiter.lease is not None:
-                            await self.release(waiter.lease)
-                        else:
-                            _, granted = await self._run(
-                                partial(self._withdraw, entry_id=waiter.entry_id, give_back=True)
-                            )
-                            self._deliver(granted)
-                    except Exception:
-                        _logger.warning(
-                            "slotwise: could not withdraw queue entry %s of limiter %r",
-                            waiter.entry_id,
-                            self.name,
-                            exc_info=True,
-                        )
+            self._abandon(waiter)
             raise
-        finally:
-            self._waiters.pop(waiter.entry_id, None)
+
+    def _enter(
+        self,
+        workload: str,
+        request_id: str,
+        wait: float,
+        since: datetime | None = None,
+        tokens: int = 0,
+    ) -> _Waiter:
+        """Queue a request in this process, in call order (nothing awaits before this)."""
+        waiter = _Waiter(workload, request_id, wait, since, tokens)
+        self._waiters[waiter.entry_id] = waiter
+        self._pending[waiter.entry_id] = waiter
+        return waiter
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """A request ended without taking its lease: leave the queue, and give back a slot
+        granted to it, in the poller's next cycle (woken now)."""
+        self._waiters.pop(waiter.entry_id, None)
+        if self._pending.pop(waiter.entry_id, None) is not None or waiter.refused:
+            return  # it never reached the database, or its entry is already gone
+        if not self._started:
+            return  # closed: the entry goes stale, a slot granted to it expires
+        self._abandoned[waiter.entry_id] = anyio.current_time()
+        self._wake_poller()
 
     async def renew(self, lease: SupportsLease) -> Lease | None:
         """Extend a lease by ``lease_ttl`` on the database clock; None when it is gone."""
@@ -743,11 +906,21 @@ class PostgresLimiter(BuiltinLimiter[W]):
         return Lease(lease_id=lease.lease_id, workload=row[0], expires_at=float(row[1]))
 
     async def release(self, lease: SupportsLease) -> None:
-        """Give a slot back and grant what it frees to the waiters. Idempotent."""
-        await self.start()
-        if _is_uuid(lease.lease_id):
-            cycle = await self._run_cycle(release=lease.lease_id)
-            self._deliver(cycle.granted)
+        """Give a slot back and grant what it frees to the waiters. Idempotent.
+
+        Works whatever limits are stored now: a lease taken under limits that another
+        process replaced is released all the same.
+        """
+        if not self._started:
+            await self.start()
+        self._check_loop()
+        if not _is_uuid(lease.lease_id):
+            await checkpoint()
+            return
+        # The transaction is under way before anything awaits (unless one storing the
+        # provider's pushback is under way): aclose() waits for it.
+        cycle = await self._run_cycle(release=lease.lease_id)
+        self._deliver(cycle.granted)
 
     # -- the poller: one per limiter per process ------------------------------------------
 
@@ -757,46 +930,101 @@ class PostgresLimiter(BuiltinLimiter[W]):
         if self._listen and (self._listener is None or self._listener.done()):
             self._listener = asyncio.get_running_loop().create_task(self._listen_loop())
 
-    async def _poll_loop(self) -> None:
-        # Full allocation cycles every poll_interval (they also sweep dead processes'
-        # leases and entries, and refresh this process's entries), and when time alone can
-        # grant something (a bucket refills, a pause ends: each cycle computes when); in
-        # between, a notification that another process granted us a slot triggers a
-        # lock-free read.
-        interval = min(self.poll_interval, self._queue_entry_ttl / 3)
-        next_cycle = anyio.current_time() + interval
-        self._kick = anyio.Event()
-        while self._waiters:
-            with anyio.move_on_after(max(min(next_cycle, self._wake_at) - anyio.current_time(), 0)):
-                await self._kick.wait()
-            # A notification that arrives from now on is seen by the next round.
-            self._kick = anyio.Event()
-            asked = list(self._waiters)
-            try:
-                if anyio.current_time() >= min(next_cycle, self._wake_at):
-                    next_cycle = anyio.current_time() + interval
-                    await self._poll_cycle(asked)
-                else:
-                    granted = await self._run(partial(self._fetch, asked=asked))
-                    self._deliver(granted)
-            except Exception as exc:
-                # Fail closed: every local waiter raises (the runtime reports a limiter error).
-                for entry_id in asked:
-                    waiter = self._waiters.pop(entry_id, None)
-                    if waiter is not None:
-                        waiter.error = exc
-                        waiter.event.set()
-        self._kick = None
+    def _wake_poller(self) -> None:
+        self._ensure_poller()
+        if self._kick is not None:
+            self._kick.set()
 
-    async def _poll_cycle(self, asked: list[str]) -> None:
+    async def _poll_loop(self) -> None:
+        # The one task that talks to the database for this process's waiting requests (they
+        # only wait for its answers, so their deadlines and cancellations hold whatever the
+        # database does). A full allocation cycle runs when requests are to be enqueued (in
+        # arrival order, as one batch) or withdrawn, every poll_interval (it also sweeps
+        # dead processes' leases and entries, and says that this process is alive), and
+        # when time alone can grant something (a bucket refills, a pause ends: each cycle
+        # computes when); in between, a notification that another process granted us a
+        # slot triggers a lock-free read.
+        interval = min(self.poll_interval, self._queue_entry_ttl / 3)
+        next_cycle = anyio.current_time()
+        self._kick = anyio.Event()
+        self._rounds = anyio.Event()
+        try:
+            while self._waiters or self._abandoned:
+                if not self._pending and not self._abandoned:
+                    due = min(next_cycle, self._wake_at)
+                    with anyio.move_on_after(max(due - anyio.current_time(), 0)):
+                        await self._kick.wait()
+                # A notification that arrives from now on is seen by the next round.
+                self._kick = anyio.Event()
+                batch = list(self._pending.values())
+                self._pending.clear()
+                withdraw = self._withdrawals()
+                # Entries enqueued by earlier rounds: committed before this round began.
+                asked = list(self._waiters.keys() - {waiter.entry_id for waiter in batch})
+                try:
+                    due = min(next_cycle, self._wake_at)
+                    if batch or withdraw or anyio.current_time() >= due:
+                        next_cycle = anyio.current_time() + interval
+                        await self._poll_cycle(batch, withdraw, asked)
+                    else:
+                        granted = await self._run(partial(self._fetch, asked=asked), read=True)
+                        self._deliver(granted)
+                except Exception as exc:
+                    # Fail closed: every local waiter raises (the runtime reports a limiter
+                    # error); the entries of this batch may exist: their requests withdraw them.
+                    for entry_id in [*asked, *(waiter.entry_id for waiter in batch)]:
+                        waiter = self._waiters.pop(entry_id, None)
+                        if waiter is not None:
+                            waiter.error = exc
+                            waiter.event.set()
+                    if withdraw:
+                        await anyio.sleep(interval)  # to try them again, not in a tight loop
+                rounds, self._rounds = self._rounds, anyio.Event()
+                rounds.set()
+        finally:
+            self._kick = None
+            if self._rounds is not None:
+                self._rounds.set()
+                self._rounds = None
+
+    def _withdrawals(self) -> list[str]:
+        """The abandoned entries to withdraw now; those old enough to have gone stale, and
+        whose slot has expired, are forgotten (the database dropped them by itself)."""
+        horizon = anyio.current_time() - self._queue_entry_ttl - self.lease_ttl
+        for entry_id, since in list(self._abandoned.items()):
+            if since < horizon:
+                del self._abandoned[entry_id]
+        return list(self._abandoned)
+
+    async def _poll_cycle(
+        self, batch: list[_Waiter], withdraw: list[str], asked: list[str]
+    ) -> None:
         beat = anyio.current_time() - self._beat_at >= self._queue_entry_ttl / 3
-        # Entries committed before this cycle began are in its snapshot: if one is neither
-        # queued nor granted there, it was dropped. (A newer one may simply not be visible.)
-        committed = [entry_id for entry_id in asked if self._waiters[entry_id].queued]
-        cycle = await self._run_cycle(asked=asked, heartbeat=beat)
+        cycle = await self._run_cycle(
+            enqueue=batch,
+            withdraw=withdraw,
+            asked=asked,
+            heartbeat=beat,
+            alive=True,
+            retry=not batch,
+        )
         if beat:
             self._beat_at = anyio.current_time()
-        self._deliver(cycle.granted, cycle.present, committed)
+        for entry_id in withdraw:
+            self._abandoned.pop(entry_id, None)
+        for waiter in batch:
+            waiter.since = cycle.since.get(waiter.entry_id)
+            refused = cycle.refused.get(waiter.entry_id)
+            if refused is not None and self._waiters.pop(waiter.entry_id, None) is not None:
+                waiter.refused = True
+                if refused != "no-wait":
+                    waiter.error = ConcurrencyQueueFullError(refused)
+                waiter.event.set()
+        if cycle.error is not None:
+            raise cycle.error
+        # Entries committed before this cycle began are in its snapshot: if one is neither
+        # queued nor granted there, it was dropped.
+        self._deliver(cycle.granted, cycle.present, asked)
 
     def _deliver(
         self,
@@ -815,12 +1043,16 @@ class PostgresLimiter(BuiltinLimiter[W]):
         for entry_id in asked:
             if entry_id not in present and entry_id not in granted:
                 waiter = self._waiters.pop(entry_id, None)
-                if waiter is not None:
+                if waiter is None:
+                    continue
+                if anyio.current_time() >= waiter.until:
+                    waiter.refused = True  # swept past its deadline: a timeout
+                else:
                     waiter.error = ConcurrencyLimiterError(
                         "the queue entry was dropped as stale (this process did not refresh "
                         f"it within queue_entry_ttl={self._queue_entry_ttl}s)"
                     )
-                    waiter.event.set()
+                waiter.event.set()
 
     async def _listen_loop(self) -> None:
         # One session connection outside the pool. If it drops, timed polling carries on
@@ -835,11 +1067,15 @@ class PostgresLimiter(BuiltinLimiter[W]):
             )
             kwargs = dict(kwargs or {})
         kwargs["autocommit"] = True
+        # It waits in silence for hours: TCP keepalive notices a peer gone without a word.
+        given = {**psycopg.conninfo.conninfo_to_dict(conninfo), **kwargs}
+        kwargs.update({key: value for key, value in _KEEPALIVE.items() if key not in given})
         delay = self.poll_interval
         while True:
             try:
                 conn = await psycopg.AsyncConnection.connect(conninfo, **kwargs)
                 async with conn:
+                    self._listening = conn
                     await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
                     delay = self.poll_interval
                     # Grants made before LISTEN took effect sent no notification here: a
@@ -850,42 +1086,32 @@ class PostgresLimiter(BuiltinLimiter[W]):
                         self._notified(note.payload)
             except Exception:
                 _logger.debug("slotwise: listener of %r failed", self.name, exc_info=True)
+            finally:
+                self._listening = None
             await anyio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
     def _notified(self, payload: str) -> None:
-        """A notification: grants made by another process (delivered at once: NOTIFY is
-        sent at commit), or, for a long list, the owners that should poll now."""
+        """A notification: another process granted slots to these owners (``"*"``: to
+        owners too many to list), sent at its commit. Any role may send one: it only makes
+        the poller read this process's grants from the database now, never a grant itself."""
         try:
             message = json.loads(payload)
         except ValueError:
             return
-        grants = message.get("g") if isinstance(message, dict) else None
-        if isinstance(grants, list):
-            self._deliver(
-                {
-                    entry_id: Lease(
-                        lease_id=lease_id,
-                        workload=workload,
-                        expires_at=expires,
-                        waited_for=tuple(waited[0]) if waited and waited[0] else (),
-                    )
-                    for owner, entry_id, lease_id, workload, expires, *waited in grants
-                    if owner == self._owner
-                }
-            )
-            return
         owners = message.get("k") if isinstance(message, dict) else None
-        if (owners == "*" or self._owner in (owners or ())) and self._kick is not None:
+        if owners != "*" and not (isinstance(owners, list) and self._owner in owners):
+            return
+        if self._kick is not None:
             self._kick.set()
 
     # -- what held slots learn from the provider -------------------------------------------
 
-    def _push(self, item: _Pending, urgent: bool) -> None:
+    def _push(self, item: _Learned, urgent: bool) -> None:
         """Keep ``item`` for this process's next transaction, and make sure one comes: at
         once when ``urgent`` (a pause), else within ``poll_interval`` (the slot's release
         usually comes first and stores it)."""
-        self._pending.append(item)
+        self._learned.append(item)
         if self._flusher is None or self._flusher.done():
             try:
                 loop = asyncio.get_running_loop()
@@ -896,13 +1122,13 @@ class PostgresLimiter(BuiltinLimiter[W]):
             self._flush_kick.set()
 
     async def _flush(self) -> None:
-        while self._pending:
-            if not any(isinstance(item, _Pushback) for item in self._pending):
+        while self._learned:
+            if not any(isinstance(item, _Pushback) for item in self._learned):
                 self._flush_kick = anyio.Event()
                 with anyio.move_on_after(self.poll_interval):
                     await self._flush_kick.wait()
                 self._flush_kick = None
-                if not self._pending:
+                if not self._learned:
                     return
             try:
                 cycle = await self._run_cycle()
@@ -926,20 +1152,21 @@ class PostgresLimiter(BuiltinLimiter[W]):
         """
         while self._applying is not None:
             await self._applying.wait()
-        pending, self._pending = self._pending, []
+        pending, self._learned = self._learned, []
         if pending:
             self._applying = anyio.Event()
         try:
             cycle = await self._run(partial(self._cycle, pending=pending, **kwargs), retry=retry)
         except BaseException:
-            self._pending[:0] = pending  # not stored: the next transaction tries again
+            self._learned[:0] = pending  # not stored: the next transaction tries again
             raise
         finally:
             if pending:
                 applying, self._applying = self._applying, None
                 if applying is not None:
                     applying.set()
-        self._settle(cycle)
+        if cycle.error is None:  # else nothing was read: what this process knows stands
+            self._settle(cycle)
         return cycle
 
     def _settle(self, cycle: _Cycle) -> None:
@@ -963,6 +1190,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
         for entry_id, waiter in list(self._waiters.items()):
             if waiter.workload not in settings.workloads:
                 del self._waiters[entry_id]
+                if self._pending.pop(entry_id, None) is not None:
+                    waiter.refused = True  # never enqueued: nothing to withdraw
                 waiter.error = ConcurrencyConfigError(
                     f"workload {waiter.workload!r} was removed from limiter {self.name!r} by "
                     "set_limits() while this request waited"
@@ -992,37 +1221,104 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     # -- transactions ---------------------------------------------------------------------
 
-    async def _run(self, body: Callable[[Conn], Awaitable[T]], *, retry: bool = True) -> T:
-        """Run ``body`` in one transaction on a pooled connection.
+    async def _run(
+        self, body: Callable[[Conn], Awaitable[T]], *, retry: bool = True, read: bool = False
+    ) -> T:
+        """Run ``body`` in one transaction on a pooled connection, in a task of its own.
+
+        The caller waits for it, and may be cancelled meanwhile: the transaction goes on to
+        its end (a query interrupted midway would leave its connection in an unknown state,
+        and psycopg would warn), so nothing it began is left half done. Every step is bounded
+        by ``db_timeout`` (see _transaction); the caller waits three times that at most.
+        ``read``: the body is one statement that only reads, run without a transaction when
+        the connection is in autocommit mode (one round trip instead of two).
+        """
+        task = asyncio.get_running_loop().create_task(self._transaction(body, retry, read))
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+        bound = 3 * self.db_timeout
+        with anyio.move_on_after(bound):
+            return await asyncio.shield(task)
+        raise TimeoutError(f"the database did not answer within {bound:g}s (3 x db_timeout)")
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: its caller may have stopped waiting for it
+
+    async def _transaction(
+        self, body: Callable[[Conn], Awaitable[T]], retry: bool, read: bool = False
+    ) -> T:
+        """One transaction: a connection within ``db_timeout``, then the body under a
+        ``lock_timeout`` and a ``statement_timeout`` of ``db_timeout``.
 
         A connection that turns out broken before anything was committed (the pool handed
         out a connection the server has since closed) is retried on another; after a server
         restart every pooled connection may be broken, so up to the pool's size plus one
         attempts are made. ``retry`` also allows a retry after commit was attempted
-        (idempotent bodies).
+        (idempotent bodies). Any other failure (a timeout included) is raised at once.
         """
         attempts = self._pool.max_size + 1
+        bound = f"{max(1, round(self.db_timeout * 1000))}ms"
         for attempt in range(1, attempts + 1):
             committing = False
+            conn: Conn | None = None
             try:
-                async with self._pool.connection() as conn, conn.pipeline(), conn.transaction():
+                if read:
+                    async with self._pool.connection(timeout=self.db_timeout) as conn:
+                        if conn.autocommit:
+                            return await body(conn)
+                async with (
+                    self._pool.connection(timeout=self.db_timeout) as conn,
+                    conn.pipeline(),
+                    conn.transaction(),
+                ):
+                    await conn.execute(self._q.timeouts, [bound, bound], prepare=False)
                     if not self.synchronous_commit:
                         await conn.execute("SET LOCAL synchronous_commit = off", prepare=False)
                     result = await body(conn)
                     committing = True
                 return result
+            except PoolTimeout as exc:
+                raise await self._unreachable(exc) from None
             except psycopg.OperationalError:
-                if attempt == attempts or (committing and not retry):
+                broken = conn is not None and conn.broken
+                if attempt == attempts or (committing and not retry) or not broken:
                     raise
         raise AssertionError("unreachable")
+
+    async def _unreachable(self, exc: PoolTimeout) -> PoolTimeout:
+        """No connection came within ``db_timeout``: say why (a connection of our own tells
+        whether the database refuses, or the pool's connections are all held)."""
+        cause: BaseException
+        try:
+            conninfo = await _resolve(self._pool.conninfo)
+            kwargs = dict(await _resolve(self._pool.kwargs) or {})
+            with anyio.fail_after(self.db_timeout):
+                probe = await psycopg.AsyncConnection.connect(conninfo, **kwargs)
+            await probe.close()
+        except (psycopg.Error, OSError, TimeoutError) as error:
+            cause = error
+            what = f"no connection to the database within db_timeout={self.db_timeout:g}s: {error}"
+        else:
+            cause = exc
+            what = (
+                f"no free connection in the pool within db_timeout={self.db_timeout:g}s "
+                f"(max_size={self._pool.max_size}): its connections are all in use"
+            )
+        timeout = PoolTimeout(what)
+        timeout.__cause__ = cause
+        return timeout
 
     async def _schema_state(self, conn: Conn) -> tuple[bool, bool]:
         """Whether the tables exist, and whether they have this version's columns."""
         table, column = NEWEST_COLUMN
+        tables = f"{_quote(self.schema)}.{table}"
         cur = await conn.execute(
-            "SELECT to_regclass(%s) IS NOT NULL, EXISTS (SELECT 1 FROM pg_attribute "
+            "SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL AND EXISTS ("
+            "SELECT 1 FROM pg_attribute "
             "WHERE attrelid = to_regclass(%s) AND attname = %s AND NOT attisdropped)",
-            [f"{_quote(self.schema)}.{table}"] * 2 + [column],
+            [tables, f"{_quote(self.schema)}.{NEWEST_TABLE}", tables, column],
             prepare=False,
         )
         row = await cur.fetchone()
@@ -1034,7 +1330,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
         if exists and not current:
             raise ConcurrencyConfigError(
                 f"the tables in schema {self.schema!r} predate this version of slotwise "
-                f"(they lack {'.'.join(NEWEST_COLUMN)}): apply schema_sql({self.schema!r}) "
+                f"(they lack {'.'.join(NEWEST_COLUMN)} or the {NEWEST_TABLE} table): apply "
+                f"schema_sql({self.schema!r}) "
                 "again (it only adds what is missing), or pass ensure_schema=True"
             )
 
@@ -1083,11 +1380,13 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self,
         conn: Conn,
         *,
-        enqueue: tuple[str, str, str, float, int] | None = None,
+        enqueue: Sequence[_Waiter] = (),
+        withdraw: Sequence[str] = (),
         release: str | None = None,
         asked: list[str] | None = None,
         heartbeat: bool = False,
-        pending: Sequence[_Pending] = (),
+        alive: bool = False,
+        pending: Sequence[_Learned] = (),
         change: Callable[[Settings], Settings] | None = None,
     ) -> _Cycle:
         """One allocation: lock, sweep, load, ``allocate``, grant; inside the caller's
@@ -1098,6 +1397,10 @@ class PostgresLimiter(BuiltinLimiter[W]):
         survives, or finds the row gone), and only then is the snapshot loaded, in a new
         statement that sees everything committed before the lock was granted.
 
+        ``enqueue`` joins the queue in that order; ``withdraw`` leaves it, giving back any
+        slot granted to those entries; ``alive`` says that this process still waits for
+        its entries (the poller says so at every cycle).
+
         The rates and pushback state (buckets, pause, adaptive limit, the limits in force)
         is read under the lock too and changed by the rules MemoryLimiter applies in memory
         (slotwise._core.state), at the database's ``now``: what ``pending`` brings from
@@ -1106,6 +1409,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         """
         q = self._q
         name = self.name
+        began = anyio.current_time()  # before the database reads its clock (see _offset)
         # In pipeline mode (see _run) everything up to the load's fetch is one round trip.
         # The row as locked is its latest version: the rates and pushback state come with it.
         locked = await conn.execute(
@@ -1113,11 +1417,11 @@ class PostgresLimiter(BuiltinLimiter[W]):
             {"settings": self._settings_json, "name": name, "version": self._version},
             prepare=False,
         )
-        refused = [p.lease_id for p in pending if isinstance(p, _Pushback) and p.lease_id]
+        refused_leases = [p.lease_id for p in pending if isinstance(p, _Pushback) and p.lease_id]
         marked = None
-        if refused:  # before the sweep, which deletes a lease being released
+        if refused_leases:  # before the sweep, which deletes a lease being released
             marked = await conn.execute(
-                q.mark_throttled, {"name": name, "leases": refused}, prepare=False
+                q.mark_throttled, {"name": name, "leases": refused_leases}, prepare=False
             )
         swept = await conn.execute(
             q.sweep,
@@ -1125,58 +1429,88 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 "name": name,
                 "owner": self._owner,
                 "release": release,
+                "withdraw": list(withdraw),
                 "beat": heartbeat,
+                "asked": asked or [],
                 "entry_ttl": self._queue_entry_ttl,
             },
             prepare=False,
         )
-        counted = None
-        if enqueue is not None:
-            entry_id, workload, request_id, wait, tokens = enqueue
-            await conn.execute(
+        if alive or enqueue:
+            await conn.execute(q.alive, [self._owner, self._alive_for()], prepare=False)
+        enqueued = counted = None
+        bounded: list[str] = []
+        if enqueue:
+            enqueued = await conn.execute(
                 q.enqueue,
                 {
-                    "entry_id": entry_id,
+                    "entries": [w.entry_id for w in enqueue],
+                    "workloads": [w.workload for w in enqueue],
+                    "request_ids": [w.request_id for w in enqueue],
+                    "waits": [None if w.wait > _MAX_SECONDS else w.wait for w in enqueue],
+                    "since": [w.since for w in enqueue],
+                    "tokens": [w.tokens for w in enqueue],
                     "name": name,
-                    "workload": workload,
                     "owner": self._owner,
-                    "request_id": request_id,
-                    "wait": None if math.isinf(wait) else wait,
                     "entry_ttl": self._queue_entry_ttl,
                     "lease_ttl": self._settings.lease_ttl,
-                    "tokens": tokens,
                 },
                 prepare=False,
             )
-            rule = self._settings.rules.workloads.get(workload)
-            if rule is not None and rule.max_queued is not None:
+            bounded = sorted(
+                {
+                    w.workload
+                    for w in enqueue
+                    if w.workload in self._settings.workloads
+                    and self._settings.workloads[w.workload].max_queued is not None
+                }
+            )
+            if bounded:
                 counted = await conn.execute(
-                    q.count_workload,
-                    {"name": name, "workload": workload, "fresh": entry_id},
+                    q.count_workloads,
+                    {
+                        "name": name,
+                        "workloads": bounded,
+                        "fresh": [w.entry_id for w in enqueue],
+                    },
                     prepare=False,
                 )
         cur = await conn.execute(
             q.load,
             {
                 "name": name,
+                "owner": self._owner,
                 "heads": self._settings.max_concurrent,
                 "asked": asked or [],
                 # A request enqueued now may take a free slot even with no time to wait.
-                "fresh": None if enqueue is None else enqueue[0],
+                "fresh": [w.entry_id for w in enqueue],
             },
             prepare=False,
         )
         locked_row = await locked.fetchone()
+        if locked_row is not None and not locked_row[0] and (release is not None or withdraw):
+            # Another process stored other limits: allocating with ours would break theirs,
+            # but the lease released and the entries withdrawn above go all the same.
+            try:
+                self._check_lock(locked_row)
+            except ConcurrencyConfigError as exc:
+                return _Cycle(granted={}, present=frozenset(), queued=0, error=exc)
         self._check_lock(locked_row)
         assert locked_row is not None
         state_row = locked_row[2:]
+        since = (
+            {str(entry_id): at for entry_id, at in await enqueued.fetchall()} if enqueued else {}
+        )
         epochs: dict[str, int] = {} if marked is None else dict(await marked.fetchall())
         swept_row = await swept.fetchone()
         assert swept_row is not None
-        waiting_here = None if counted is None else await counted.fetchone()
+        waiting_in = dict.fromkeys(bounded, 0)
+        if counted is not None:
+            waiting_in.update(await counted.fetchall())
         loaded = await cur.fetchone()
         assert loaded is not None
         active_rows, queued, head_rows, mine_rows, present_rows, now = loaded
+        self._offset = now - began
 
         buckets, paused, backoffs, adaptive, version, limits, _ = state_row
         settings = self._settings
@@ -1231,6 +1565,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
                     changes.append((old_limit, new_limit, "recovered"))
 
         active = dict(active_rows or {})
+        # Leases of a workload these limits do not have (another process had other limits,
+        # then on_conflict="replace", or set_limits() dropped it) count until released or
+        # expired, as a workload that can take nothing more.
         rules = retire(pace.rules(settings), active)
         queues: dict[str, list[_Entry]] = {}
         for entry_id, workload, micros, seq, owner, tokens, waited in head_rows or []:
@@ -1260,7 +1597,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         )
         if grants and pace.bank:
             pace.dirty = True
-        granted_ids = {e.entry_id for e in grants}
+        chosen = {e.entry_id for e in grants}
         waited_for = {
             e.entry_id: tuple(sorted(set(e.waited_for) | waits.get(e.entry_id, set())))
             for entries in queues.values()
@@ -1274,7 +1611,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             for entries in queues.values()
             for e in entries
             if e.entry_id in waits
-            and e.entry_id not in granted_ids
+            and e.entry_id not in chosen
             and waited_for[e.entry_id] != e.waited_for
         }
         if blocked:
@@ -1288,29 +1625,43 @@ class PostgresLimiter(BuiltinLimiter[W]):
             )
             for entry_id, lease_id, workload, expires, waited in mine_rows or []
         }
-        full = None
-        if enqueue is not None and enqueue[0] not in granted_ids:
-            # Not granted now: it waits, unless the queue is full or it may not wait.
-            waiting_before = queued - 1
+        refused: dict[str, str] = {}
+        if enqueue:
+            # Those not granted now wait, unless a queue is full or they may not wait.
+            waiting = [w for w in enqueue if w.entry_id not in chosen]
+            others = queued - len(grants) - len(waiting)  # waiting before this batch
+            # Per bounded workload: its entries waiting before this batch, less those
+            # granted now.
+            fresh = {w.entry_id for w in enqueue}
+            for entry in grants:
+                if entry.entry_id not in fresh and entry.workload in waiting_in:
+                    waiting_in[entry.workload] -= 1
             maximum = settings.max_queued
-            bound = (
-                settings.workloads[enqueue[1]].max_queued
-                if enqueue[1] in settings.workloads
-                else None
-            )
-            if maximum is not None and waiting_before >= maximum:
-                full = f"{waiting_before} requests are already waiting (max_queued={maximum})"
-            elif bound is not None and waiting_here is not None and waiting_here[0] >= bound:
-                full = (
-                    f"{waiting_here[0]} requests of workload {enqueue[1]!r} are already "
-                    f"waiting (its max_queued={bound})"
-                )
-            if full is not None or enqueue[3] <= 0:
-                await conn.execute(q.drop_entry, [enqueue[0]], prepare=False)
-                queued -= 1
+            for waiter in waiting:
+                rule = settings.workloads.get(waiter.workload)
+                bound = None if rule is None else rule.max_queued
+                here = waiting_in.get(waiter.workload, 0)
+                if waiter.wait <= 0:
+                    refused[waiter.entry_id] = "no-wait"
+                elif maximum is not None and others >= maximum:
+                    refused[waiter.entry_id] = (
+                        f"{others} requests are already waiting (max_queued={maximum})"
+                    )
+                elif bound is not None and here >= bound:
+                    refused[waiter.entry_id] = (
+                        f"{here} requests of workload {waiter.workload!r} are already "
+                        f"waiting (its max_queued={bound})"
+                    )
+                else:
+                    others += 1
+                    if waiter.workload in waiting_in:
+                        waiting_in[waiter.workload] = here + 1
+            if refused:
+                await conn.execute(q.drop_entries, [list(refused)], prepare=False)
+                queued -= len(refused)
         if grants:
             # Not fetched: the grant, its notification and the commit go in one round trip.
-            # The other processes learn their grants from the notification (sent at commit).
+            # The other processes learn from the notification (sent at commit) to look.
             lease_ids = [str(uuid.uuid4()) for _ in grants]
             await conn.execute(
                 q.grant,
@@ -1342,7 +1693,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
             granted=granted,
             present=frozenset(str(e) for e in present_rows or []),
             queued=queued,
-            full=full,
+            refused=refused,
+            since=since,
             settings=(settings, version) if adopted else None,
             changes=tuple(changes),
             wake=None if wake == math.inf else max(0.0, wake - now),
@@ -1350,13 +1702,11 @@ class PostgresLimiter(BuiltinLimiter[W]):
             backoffs=pace.backoffs,
         )
 
-    async def _lock(self, conn: Conn) -> None:
-        """Take the limiter's row lock (again, harmlessly, if this transaction has it) and
-        check that the stored limits are still this process's."""
-        cur = await conn.execute(
-            self._q.lock_limiter, [self._settings_json, self.name], prepare=False
-        )
-        self._check_lock(await cur.fetchone())
+    def _alive_for(self) -> float:
+        """Seconds this process's entries stay grantable after its poller last said it
+        waits: five poll rounds, and at least a second (a short stall of its event loop only
+        defers its grants; its entries keep their places)."""
+        return max(1.0, 5 * min(self.poll_interval, self._queue_entry_ttl / 3))
 
     def _check_lock(self, row: tuple[Any, ...] | None) -> None:
         if row is None:
@@ -1370,33 +1720,18 @@ class PostgresLimiter(BuiltinLimiter[W]):
             )
 
     async def _fetch(self, conn: Conn, *, asked: list[str]) -> dict[str, Lease]:
+        began = anyio.current_time()
         cur = await conn.execute(self._q.fetch_mine, [asked], prepare=False)
-        return {
-            str(entry_id): Lease(
+        granted = {}
+        for entry_id, lease_id, workload, expires, now, waited in await cur.fetchall():
+            self._offset = now - began
+            granted[str(entry_id)] = Lease(
                 lease_id=str(lease_id),
                 workload=workload,
                 expires_at=expires,
-                waited_for=tuple(waited),
+                waited_for=tuple(waited or ()),
             )
-            for entry_id, lease_id, workload, expires, waited in await cur.fetchall()
-        }
-
-    async def _withdraw(
-        self, conn: Conn, *, entry_id: str, give_back: bool = False
-    ) -> tuple[Lease | None, Mapping[str, Lease]]:
-        """Leave the queue. A slot granted to the entry meanwhile is returned, or with
-        ``give_back`` released by a full allocation cycle, so it goes to the next waiter
-        (whose grants are returned too, to deliver after the commit)."""
-        if give_back:
-            # Lock order: the limiter row before any queue row (as every allocation does).
-            await self._lock(conn)
-        await conn.execute(self._q.drop_entry, [entry_id], prepare=False)
-        granted = await self._fetch(conn, asked=[entry_id])
-        lease = granted.get(entry_id)
-        if lease is None or not give_back:
-            return lease, {}
-        cycle = await self._cycle(conn, release=lease.lease_id)
-        return None, cycle.granted
+        return granted
 
     async def _renew(self, conn: Conn, *, lease_id: str) -> tuple[str, float] | None:
         cur = await conn.execute(
@@ -1434,8 +1769,16 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
 
 def _own_pool(conninfo: str) -> AsyncConnectionPool[Any]:
+    # A connection that cannot be remade is given up after a few seconds (psycopg_pool's
+    # default is 5 minutes of growing back-off): the next request then connects at once, so
+    # the limiter serves again as soon as the database is back.
     return AsyncConnectionPool(
-        conninfo, min_size=1, max_size=4, open=False, kwargs={"autocommit": True}
+        conninfo,
+        min_size=1,
+        max_size=4,
+        open=False,
+        kwargs={"autocommit": True},
+        reconnect_timeout=_RECONNECT,
     )
 
 
@@ -1559,8 +1902,9 @@ class _Queries:
     """The statements, with the schema quoted in; every value is a bound parameter."""
 
     __slots__ = (
-        "count_workload",
-        "drop_entry",
+        "alive",
+        "count_workloads",
+        "drop_entries",
         "enqueue",
         "fetch_mine",
         "grant",
@@ -1577,6 +1921,7 @@ class _Queries:
         "stats",
         "store_limits",
         "sweep",
+        "timeouts",
     )
 
     def __init__(self, schema: str) -> None:
@@ -1594,6 +1939,9 @@ class _Queries:
         self.replace_limits = q(
             "UPDATE {s}.limiters SET settings = %s::jsonb, updated_at = clock_timestamp(), "
             "limits = NULL, limits_version = limits_version + 1 WHERE name = %s"
+        )
+        self.timeouts = q(
+            "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)"
         )
         # The rates and pushback state, and the limits in force when they are not those
         # this process last saw; with the row lock and the check of lock_limiter.
@@ -1634,54 +1982,77 @@ class _Queries:
             WHERE q.entry_id = b.key::uuid
             """
         )
-        self.count_workload = q(
+        # The live entries of these workloads waiting before the batch being enqueued.
+        self.count_workloads = q(
             """
-            SELECT count(*) FROM {s}.queue
-            WHERE limiter = %(name)s AND workload = %(workload)s
-              AND entry_id <> %(fresh)s::uuid AND stale_at > clock_timestamp()
+            SELECT workload, count(*)::int FROM {s}.queue
+            WHERE limiter = %(name)s AND workload = ANY(%(workloads)s::text[])
+              AND NOT entry_id = ANY(%(fresh)s::uuid[]) AND stale_at > clock_timestamp()
               AND (deadline IS NULL OR deadline > clock_timestamp())
+            GROUP BY workload
             """
         )
         # Expired leases (and the one being released) go; so do other processes' entries
-        # that are stale or past their deadline. This process's own entries are refreshed.
+        # that are stale or past their deadline, and this process's withdrawn entries with
+        # any slot granted to them. The entries this process still waits for are refreshed.
         self.sweep = q(
             """
             WITH gone AS (
                 DELETE FROM {s}.leases
                 WHERE limiter = %(name)s
-                  AND (expires_at <= clock_timestamp() OR lease_id = %(release)s::uuid)
+                  AND (expires_at <= clock_timestamp() OR lease_id = %(release)s::uuid
+                       OR (entry_id = ANY(%(withdraw)s::uuid[]) AND owner = %(owner)s::uuid))
                 RETURNING lease_id, epoch, throttled
             ), stale AS (
                 DELETE FROM {s}.queue
-                WHERE limiter = %(name)s AND owner <> %(owner)s::uuid
-                  AND (stale_at <= clock_timestamp() OR deadline <= clock_timestamp())
+                WHERE limiter = %(name)s
+                  AND ((owner <> %(owner)s::uuid
+                        AND (stale_at <= clock_timestamp() OR deadline <= clock_timestamp()))
+                       OR (entry_id = ANY(%(withdraw)s::uuid[]) AND owner = %(owner)s::uuid))
                 RETURNING 1
             ), beat AS (
                 UPDATE {s}.queue
                 SET stale_at = clock_timestamp() + make_interval(secs => %(entry_ttl)s)
-                WHERE %(beat)s AND limiter = %(name)s AND owner = %(owner)s::uuid
+                WHERE %(beat)s AND entry_id = ANY(%(asked)s::uuid[]) AND owner = %(owner)s::uuid
+                RETURNING 1
+            ), dead AS (
+                DELETE FROM {s}.owners
+                WHERE %(beat)s AND alive_until < clock_timestamp() - interval '1 hour'
                 RETURNING 1
             )
             SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM stale),
-                   (SELECT count(*) FROM beat),
+                   (SELECT count(*) FROM beat), (SELECT count(*) FROM dead),
                    (SELECT json_build_array(epoch, throttled) FROM gone
                     WHERE lease_id = %(release)s::uuid)
             """
         )
+        self.alive = q(
+            "INSERT INTO {s}.owners (owner, alive_until) "
+            "VALUES (%s, clock_timestamp() + make_interval(secs => %s)) "
+            "ON CONFLICT (owner) DO UPDATE SET alive_until = EXCLUDED.alive_until"
+        )
+        # A batch, in its order; an entry queued again keeps its enqueued_at (`since`).
         self.enqueue = q(
             """
             INSERT INTO {s}.queue (entry_id, limiter, workload, owner, request_id,
                                    enqueued_at, deadline, stale_at, lease_ttl, tokens)
-            VALUES (%(entry_id)s, %(name)s, %(workload)s, %(owner)s, %(request_id)s,
-                    clock_timestamp(),
-                    clock_timestamp() + make_interval(secs => %(wait)s),
-                    clock_timestamp() + make_interval(secs => %(entry_ttl)s),
-                    %(lease_ttl)s, %(tokens)s)
+            SELECT e.entry_id, %(name)s, e.workload, %(owner)s, e.request_id,
+                   coalesce(e.since, clock_timestamp()),
+                   clock_timestamp() + make_interval(secs => e.wait),
+                   clock_timestamp() + make_interval(secs => %(entry_ttl)s),
+                   %(lease_ttl)s, e.tokens
+            FROM unnest(%(entries)s::uuid[], %(workloads)s::text[], %(request_ids)s::text[],
+                        %(waits)s::float8[], %(since)s::timestamptz[], %(tokens)s::bigint[])
+                 WITH ORDINALITY AS e(entry_id, workload, request_id, wait, since, tokens, n)
+            ORDER BY e.n
+            RETURNING entry_id::text, enqueued_at
             """
         )
         # The snapshot the allocation needs: active leases per workload, the number of live
         # entries, the first max_concurrent live entries of each workload (no more can be
-        # granted at once), and the leases already granted to the entries asked about.
+        # granted at once) among those of processes that still say they wait (a process
+        # that died is granted nothing more), and the leases already granted to the entries
+        # asked about.
         self.load = q(
             """
             WITH live AS (
@@ -1689,7 +2060,7 @@ class _Queries:
                 FROM {s}.queue
                 WHERE limiter = %(name)s AND stale_at > clock_timestamp()
                   AND (deadline IS NULL OR deadline > clock_timestamp()
-                       OR entry_id = %(fresh)s::uuid)
+                       OR entry_id = ANY(%(fresh)s::uuid[]))
             )
             SELECT
                 (SELECT json_object_agg(workload, n) FROM (
@@ -1703,7 +2074,10 @@ class _Queries:
                               (extract(epoch FROM enqueued_at) * 1000000)::bigint AS micros,
                               row_number() OVER (PARTITION BY workload
                                                  ORDER BY enqueued_at, seq) AS rank
-                       FROM live) h
+                       FROM live
+                       WHERE owner = %(owner)s::uuid OR owner IN (
+                           SELECT owner FROM {s}.owners
+                           WHERE alive_until > clock_timestamp())) h
                  WHERE rank <= %(heads)s),
                 (SELECT json_agg(json_build_array(entry_id, lease_id, workload,
                                                   extract(epoch FROM expires_at), waited_for))
@@ -1714,7 +2088,7 @@ class _Queries:
                 extract(epoch FROM clock_timestamp())::float8
             """
         )
-        self.drop_entry = q("DELETE FROM {s}.queue WHERE entry_id = %s")
+        self.drop_entries = q("DELETE FROM {s}.queue WHERE entry_id = ANY(%s::uuid[])")
         self.grant = q(
             """
             WITH g AS (
@@ -1733,26 +2107,25 @@ class _Queries:
                        clock_timestamp(), clock_timestamp() + make_interval(secs => lease_ttl),
                        %(epoch)s, ARRAY(SELECT jsonb_array_elements_text(waited::jsonb))
                 FROM d
-                RETURNING entry_id, lease_id, workload, owner, expires_at, waited_for
+                RETURNING entry_id, lease_id, workload, owner, expires_at
             ), n AS (
-                -- The grants of other processes, for their listeners; a payload must stay
-                -- under 8000 bytes, so a long one shrinks to "poll now" for those owners.
-                SELECT json_build_object('g', json_agg(json_build_array(
-                           owner, entry_id, lease_id, workload,
-                           extract(epoch FROM expires_at)::float8, waited_for)))::text AS grants,
-                       json_build_object('k', json_agg(DISTINCT owner))::text AS owners
+                -- The other processes granted a slot, for their listeners: "look now", never
+                -- what was granted (any role may send a notification; the listener reads
+                -- its grants, and what they waited for, from the leases). A payload must
+                -- stay under 8000 bytes, so a long list becomes "everyone look".
+                SELECT json_build_object('k', json_agg(DISTINCT owner))::text AS owners
                 FROM i WHERE owner <> %(owner)s::uuid
                 HAVING count(*) > 0
             )
-            SELECT pg_notify(%(channel)s, CASE WHEN length(grants) < 7900 THEN grants
-                                               WHEN length(owners) < 7900 THEN owners
+            SELECT pg_notify(%(channel)s, CASE WHEN octet_length(owners) < 7900 THEN owners
                                                ELSE '{{"k": "*"}}' END)
             FROM n
             """
         )
         self.fetch_mine = q(
             "SELECT entry_id::text, lease_id::text, workload, "
-            "extract(epoch FROM expires_at)::float8, waited_for FROM {s}.leases "
+            "extract(epoch FROM expires_at)::float8, "
+            "extract(epoch FROM clock_timestamp())::float8, waited_for FROM {s}.leases "
             "WHERE entry_id = ANY(%s::uuid[]) AND expires_at > clock_timestamp()"
         )
         self.renew = q(

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from psycopg import sql
 
-__all__ = ("NEWEST_COLUMN", "channel_name", "schema_ddl", "schema_sql")
+__all__ = ("NEWEST_COLUMN", "NEWEST_TABLE", "channel_name", "schema_ddl", "schema_sql")
 
-# Three tables per schema, shared by every limiter name in it:
+# Four tables per schema, shared by every limiter name in it:
 #   limiters  one row per limiter name: its limits, and the row whose lock serialises every
 #             allocation of that limiter (SELECT ... FOR UPDATE).
 #   queue     waiting requests. ``stale_at`` is pushed forward by the waiting process; a dead
 #             process's entries pass it and are swept. ``deadline`` is on the database clock.
 #   leases    granted slots, valid until ``expires_at`` (database clock) unless renewed.
+#   owners    one row per waiting process (limiter object): its queue entries are granted
+#             only while ``alive_until`` is ahead, which its poller pushes forward at every
+#             cycle, so a process that died stops receiving slots at once.
 #
 # The rates and pushback state came later: they are added by ``ALTER TABLE ... ADD COLUMN IF
 # NOT EXISTS``, each with a constant default (a catalog change only, no table rewrite), so
@@ -60,6 +63,10 @@ CREATE TABLE IF NOT EXISTS {schema}.leases (
 );
 CREATE INDEX IF NOT EXISTS leases_by_limiter ON {schema}.leases (limiter, expires_at);
 CREATE INDEX IF NOT EXISTS leases_by_entry ON {schema}.leases (entry_id);
+CREATE TABLE IF NOT EXISTS {schema}.owners (
+    owner uuid PRIMARY KEY,
+    alive_until timestamptz NOT NULL
+);
 ALTER TABLE {schema}.limiters
     ADD COLUMN IF NOT EXISTS limits jsonb,
     ADD COLUMN IF NOT EXISTS limits_version bigint NOT NULL DEFAULT 0,
@@ -76,8 +83,9 @@ ALTER TABLE {schema}.leases
     ADD COLUMN IF NOT EXISTS waited_for text[] NOT NULL DEFAULT '{{}}';
 """
 
-# The last column added: a schema that has it is current.
+# The last column and the last table added: a schema that has both is current.
 NEWEST_COLUMN = ("leases", "waited_for")
+NEWEST_TABLE = "owners"
 
 
 def schema_ddl(schema: str) -> list[sql.Composed]:
