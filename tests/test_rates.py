@@ -25,6 +25,7 @@ from slotwise import (
     Rate,
     Workload,
 )
+from slotwise._core.adaptive import backoff_delay
 from slotwise._core.rates import Bucket, BucketRule
 
 pytestmark = pytest.mark.anyio
@@ -484,6 +485,15 @@ async def test_bad_retry_after_is_refused() -> None:
         for bad in (-1.0, float("nan"), float("inf"), "5"):
             with pytest.raises(ValueError, match="retry_after must be None or seconds"):
                 slot.throttled(retry_after=bad)  # type: ignore[arg-type]
+            # The limiter's own throttle() too: an endless pause would stop it for good.
+            with pytest.raises(ValueError, match="retry_after must be None or seconds"):
+                limiter.throttle(slot.lease, bad)  # type: ignore[arg-type]
+    assert limiter.stats_nowait().paused_until is None
+
+
+def test_a_long_run_of_refusals_without_retry_after_backs_off_at_most_a_minute() -> None:
+    # 2.0**1024 overflows a float: the 1,024th refusal in a row must not raise.
+    assert backoff_delay(5_000, 1.0) == backoff_delay(10, 1.0) == 60.0
 
 
 # -- the adaptive limit -----------------------------------------------------------------------

@@ -142,6 +142,16 @@ def _positive_int(setting: str, value: object) -> int:
     return value  # type: ignore[return-value]
 
 
+def retry_after_seconds(value: object) -> float | None:
+    """Validate a provider's `retry_after` (seconds, or None for a backoff); ValueError when
+    it is negative, not finite or not a number (an endless pause would stop the limiter)."""
+    if value is not None and (
+        not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < math.inf
+    ):
+        raise ValueError(f"retry_after must be None or seconds (>= 0), got {value!r}")
+    return value
+
+
 def seconds(
     setting: str, value: object, *, allow_zero: bool = False, finite: bool = False
 ) -> float:

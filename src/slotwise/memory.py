@@ -19,6 +19,7 @@ from ._config import (
     Workload,
     build_settings,
     resolve_workload,
+    retry_after_seconds,
     wait_timeout,
 )
 from ._core.state import LeaseRecord, LimiterState, Tether, Ticket, holds
@@ -295,7 +296,11 @@ class MemoryLimiter(BuiltinLimiter[W]):
         Returns:
             When the pause ends (seconds since the epoch), and the limit in force before
             and after, when an adaptive limit changed.
+
+        Raises:
+            ValueError: `retry_after` is negative, not finite or not a number.
         """
+        retry_after = retry_after_seconds(retry_after)
         with self._lock:
             now = self._clock()
             throttle = self._state.throttle(

@@ -24,7 +24,8 @@ def backoff_delay(step: int, jitter: float) -> float:
     """Seconds of the ``step``-th consecutive pause with no retry-after from the provider:
     doubling from one second, at most a minute, times ``jitter`` (the shell's random factor,
     0.75 to 1.25, so that processes pausing together do not resume together)."""
-    return min(_BACKOFF_CAP, _BACKOFF_BASE * 2.0**step) * jitter
+    # The exponent is capped: 2.0**1024 overflows, and the cap is reached long before.
+    return min(_BACKOFF_CAP, _BACKOFF_BASE * 2.0 ** min(step, 32)) * jitter
 
 
 @attrs.define(kw_only=True)

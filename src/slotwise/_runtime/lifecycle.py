@@ -34,7 +34,7 @@ from typing import Any, Generic, NoReturn, TypeVar, final, overload
 
 import anyio
 
-from .._config import DEFAULT_WORKLOAD
+from .._config import DEFAULT_WORKLOAD, retry_after_seconds
 from .._errors import (
     ConcurrencyConfigError,
     ConcurrencyError,
@@ -384,12 +384,7 @@ class Slot:
         Raises:
             ValueError: `retry_after` is negative or not a finite number.
         """
-        if retry_after is not None and (
-            not isinstance(retry_after, int | float)
-            or isinstance(retry_after, bool)
-            or not 0 <= retry_after < math.inf
-        ):
-            raise ValueError(f"retry_after must be None or seconds (>= 0), got {retry_after!r}")
+        retry_after = retry_after_seconds(retry_after)
         throttle = getattr(type(self.limiter), "throttle", None)
         if throttle is None or self.lease is None:
             return

@@ -33,6 +33,7 @@ from .._config import (
     Workload,
     build_settings,
     resolve_workload,
+    retry_after_seconds,
     seconds,
     wait_timeout,
 )
@@ -772,7 +773,11 @@ class PostgresLimiter(BuiltinLimiter[W]):
             When the pause ends as this process sees it (seconds since the epoch; the one
             stored is computed on the database clock), and None: the limit's change is not
             known until the pause is stored.
+
+        Raises:
+            ValueError: `retry_after` is negative, not finite or not a number.
         """
+        retry_after = retry_after_seconds(retry_after)
         jitter = random.uniform(0.75, 1.25)
         lease_id = None if lease is None or not _is_uuid(lease.lease_id) else lease.lease_id
         self._push(_Pushback(lease_id=lease_id, retry_after=retry_after, jitter=jitter), True)
