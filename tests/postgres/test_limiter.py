@@ -251,6 +251,54 @@ async def test_schema_sql_and_ensure_schema_false(dsn: str, make: Any, schema: s
             )
 
 
+async def test_a_worker_that_waited_for_the_schema_lock_leaves_the_tables_alone(
+    dsn: str, make: Any, schema: str
+) -> None:
+    # Workers starting together on a fresh database: this one finds no tables and waits for
+    # the schema lock while another creates them and starts allocating (its transaction
+    # holds the leases table). Run again, the DDL's ALTER TABLE would wait for that
+    # transaction (a deadlock once the other waits for this worker in turn); the worker must
+    # find the tables current and start without touching them.
+    async with (
+        await psycopg.AsyncConnection.connect(dsn) as creator,
+        await psycopg.AsyncConnection.connect(dsn) as user,
+    ):
+        await creator.execute(
+            "SELECT pg_advisory_xact_lock(hashtext('slotwise schema'), hashtext(%s))", [schema]
+        )
+        limiter = make(max_concurrent=1, db_timeout=2.0)
+        done = anyio.Event()
+
+        async def start() -> None:
+            await limiter.start()
+            done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(start)
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as probe:
+                for _ in range(200):
+                    cur = await probe.execute(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                    )
+                    if (await cur.fetchone()) == (1,):
+                        break
+                    await anyio.sleep(0.02)
+                else:
+                    pytest.fail("the worker never waited for the schema lock")
+            await creator.execute(schema_sql(schema).encode())
+            await creator.commit()
+            await user.execute(
+                psycopg.sql.SQL("LOCK TABLE {}.leases IN ROW EXCLUSIVE MODE").format(
+                    psycopg.sql.Identifier(schema)
+                )
+            )
+            with anyio.fail_after(1.5):
+                await done.wait()
+            await user.rollback()
+        async with limiter.slot():
+            assert (await limiter.stats()).active == 1
+
+
 async def test_missing_tables_fail_closed(make: Any) -> None:
     limiter = make(max_concurrent=1, ensure_schema=False)
     with pytest.raises(slotwise.ConcurrencyLimiterError) as info:

@@ -1343,7 +1343,10 @@ class PostgresLimiter(BuiltinLimiter[W]):
     async def _create_schema(self, conn: Conn) -> None:
         # Many workers may start at once on a new database: the advisory lock (released at
         # commit, so it works through PgBouncer) lets one create the tables at a time. An
-        # existing installation gets the columns of later versions the same way.
+        # existing installation gets the columns of later versions the same way. The state
+        # is read again under the lock: a worker that waited for it while another created
+        # the tables must not run the DDL again, whose ALTER TABLE takes an exclusive lock
+        # on tables the others already use (a deadlock with their allocations).
         if (await self._schema_state(conn))[1]:
             return
         await conn.execute(
@@ -1351,6 +1354,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
             [self.schema],
             prepare=False,
         )
+        if (await self._schema_state(conn))[1]:
+            return
         for statement in schema_ddl(self.schema):
             await conn.execute(statement, prepare=False)
 
