@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import attrs
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -196,11 +195,12 @@ class LimiterStateMachine(RuleBasedStateMachine):
         else:
             sweeps = False
         before = {w.ticket for w in self.waiting()}
-        try:
-            ticket, swept = self.state.submit(workload, self.now)
-        except ConcurrencyQueueFullError:
-            newly = [t for t in before if t.lease is not None]
+        ticket, swept = self.state.submit(workload, self.now)
+        if ticket.refused is not None:
+            assert isinstance(ticket.refused, ConcurrencyQueueFullError)
+            newly = [t for t in before if t.lease is not None and t not in swept]
             assert not newly, f"{len(newly)} request(s) granted by a sweep were not reported"
+            self.check_grants(swept)
             assert self.max_queued is not None
             assert sum(map(len, self.queues.values())) >= self.max_queued
             assert self.queues[workload] or not has_room(self.config, self.active(), workload)
@@ -414,8 +414,10 @@ def test_queue_full_refuses_only_requests_that_would_wait() -> None:
     for _ in range(6):
         state.submit("background", 0.0)
     state.submit("background", 0.0)
-    with pytest.raises(ConcurrencyQueueFullError):
-        state.submit("background", 0.0)
+    refused, _ = state.submit("background", 0.0)
+    assert isinstance(refused.refused, ConcurrencyQueueFullError)
+    assert refused.lease is None
+    assert state.queued == 1
     # interactive has room: it is granted, not refused.
     ticket, _ = state.submit("interactive", 0.0)
     assert ticket.lease is not None

@@ -274,7 +274,6 @@ class MemoryLimiter(BuiltinLimiter[W]):
             new_limit = self._state.rules.max_concurrent
             wakers = self._settle(granted)
             for ticket in refused:
-                ticket.refused = True
                 wakers += [t.waker for t in self._watchers.leave(ticket) if t.waker is not None]
                 if ticket.waker is not None:
                     wakers.append(ticket.waker)
@@ -392,7 +391,12 @@ class MemoryLimiter(BuiltinLimiter[W]):
         with self._lock:
             if loop.virtual is not self._domain:
                 self._now(loop)  # follow (or refuse) another clock
-            record = self._state.take_nowait(workload, self._clock(), tether)
+            try:
+                record = self._state.take_nowait(workload, self._clock(), tether)
+            except KeyError:
+                # set_limits() removed the workload since the request named it.
+                resolve_workload(self._settings, workload)
+                raise
             if record is None or not self._watchers.alarms:
                 return record
             wakers = self._watchers.earlier(record.expires_at)
@@ -411,8 +415,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
         workload's `max_wait`. The request takes a slot or its place in the queue before
         this yields (so arrival order is the order of calls), then yields once at least."""
         ticket = self._submit(workload, loop, tether, tokens)
-        end = self._end(workload, ticket.enqueued_at, loop, deadline)
         try:
+            end = self._end(workload, ticket.enqueued_at, loop, deadline)
             parked = False
             if ticket.lease is not None:
                 await loop.checkpoint()
@@ -436,13 +440,22 @@ class MemoryLimiter(BuiltinLimiter[W]):
             self._leave(ticket)
             raise
 
-    def _submit(self, workload: str, loop: Loop, tether: Tether | None, tokens: int) -> Ticket:
+    def _submit(
+        self, workload: str, loop: Loop | None, tether: Tether | None, tokens: int
+    ) -> Ticket:
+        """Add the request to the state: granted at once, or waiting. Raises its refusal
+        (a full queue, a workload that is gone) after waking what the submit granted."""
         # A call of its own: what it wakes is not kept alive by the frame of every waiter.
         with self._lock:
             now = self._now(loop)
-            ticket, swept = self._state.submit(workload, now, tether, tokens)
-            wakers = self._settle(swept, ticket.lease)
+            # Checked under the lock: set_limits() may have removed the workload since the
+            # request named it (a workload kept only for its held slots takes nothing more).
+            resolve_workload(self._settings, workload)
+            ticket, granted = self._state.submit(workload, now, tether, tokens)
+            wakers = self._settle(granted, ticket.lease)
         _wake(wakers)
+        if ticket.refused is not None:
+            raise ticket.refused
         return ticket
 
     def _take_blocking(
@@ -450,14 +463,10 @@ class MemoryLimiter(BuiltinLimiter[W]):
     ) -> LeaseRecord:
         """`_take()` for a thread with no event loop: blocks until a slot, the timeout
         (seconds) or the workload's `max_wait`."""
-        with self._lock:
-            now = self._now(None)
-            ticket, swept = self._state.submit(workload, now, tether, tokens)
-            wakers = self._settle(swept, ticket.lease)
-        _wake(wakers)
-        deadline = None if timeout is None else now + timeout
-        end = self._end(workload, ticket.enqueued_at, None, deadline)
+        ticket = self._submit(workload, None, tether, tokens)
+        deadline = None if timeout is None else ticket.enqueued_at + timeout
         try:
+            end = self._end(workload, ticket.enqueued_at, None, deadline)
             while True:
                 record, waker, until = self._step(ticket, None, end, deadline)
                 if record is not None:
@@ -513,10 +522,16 @@ class MemoryLimiter(BuiltinLimiter[W]):
         end = math.inf
         if deadline is not None:
             end = deadline if loop is None else deadline - loop.now() + self._clock()
-        max_wait = self._settings.workloads[workload].max_wait
+        max_wait = self._max_wait(workload)
         if max_wait is not None:
             end = min(end, enqueued_at + max_wait)
         return end
+
+    def _max_wait(self, workload: str) -> float | None:
+        """The workload's `max_wait`; None once set_limits() removed it (its waiters are
+        refused then)."""
+        settings = self._settings.workloads.get(workload)
+        return None if settings is None else settings.max_wait
 
     def _step(
         self, ticket: Ticket, loop: Loop | None, end: float, deadline: float | None
@@ -536,7 +551,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
                 record = ticket.lease
             waker: Waker | None = None
             until = end
-            if record is not None or ticket.refused:
+            if record is not None or ticket.refused is not None:
                 granted += self._watchers.leave(ticket)
             elif now >= end:
                 granted += state.withdraw(ticket, now)
@@ -547,15 +562,12 @@ class MemoryLimiter(BuiltinLimiter[W]):
                 until = min(until, self._watchers.park(ticket, state.next_wake(now)))
             wakers = self._settle(granted)
         _wake(wakers)
-        if ticket.refused:
-            raise ConcurrencyConfigError(
-                f"workload {ticket.workload!r} was removed from limiter {self.name!r} by "
-                "set_limits() while this request waited"
-            )
+        if ticket.refused is not None:
+            raise ticket.refused
         if record is not None and ticket.rate_waits:
             record.waited_for = tuple(sorted(ticket.rate_waits))
         if timed_out:
-            max_wait = self._settings.workloads[ticket.workload].max_wait
+            max_wait = self._max_wait(ticket.workload)
             by_max_wait = max_wait is not None and (
                 deadline is None or ticket.enqueued_at + max_wait <= end
             )

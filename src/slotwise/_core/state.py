@@ -32,6 +32,7 @@ __all__ = (
     "allocate_paced",
     "carry_over",
     "check_cost",
+    "cost_error",
     "pause",
     "readapt",
     "retire",
@@ -107,7 +108,9 @@ class Ticket:
     tether: Tether | None = None
     cost: Cost = _NO_COST
     rate_waits: set[str] | None = None
-    refused: bool = False  # its workload was removed while it waited
+    # Why it will never be granted (the error its waiter raises): a full queue at submit,
+    # or limits changed while it waited (its workload removed, a bucket made too small).
+    refused: Exception | None = None
 
 
 def _cost(ticket: Ticket) -> Cost:
@@ -176,13 +179,18 @@ class LimiterState:
         tether: Tether | None = None,
         tokens: int = 0,
     ) -> tuple[Ticket, list[Ticket]]:
-        """Add a request; return it (granted at once when ``ticket.lease`` is set) and any
-        tickets granted because expired leases were swept first.
+        """Add a request; return it (granted at once when ``ticket.lease`` is set) and the
+        other tickets granted meanwhile (expired leases swept, buckets refilled, a pause
+        ended), which the caller must wake whatever became of this request.
+
+        A request that would have to wait while ``max_queued`` are waiting (the limiter's,
+        or its workload's) is refused: ``ticket.refused`` is a `ConcurrencyQueueFullError`
+        and it waits nowhere. The bound counts only requests that wait: one that the
+        allocation grants at once is never refused.
 
         Raises:
-            ConcurrencyQueueFullError: it would have to wait and ``max_queued`` are waiting
-                (the limiter's, or its workload's).
-            ConcurrencyConfigError: its cost can never fit one of its buckets.
+            ConcurrencyConfigError: its cost can never fit one of its buckets (before
+                anything is granted).
         """
         cost = _NO_COST if not tokens else {"requests": 1, "tokens": tokens}
         if self.bank:
@@ -202,24 +210,36 @@ class LimiterState:
             self._grant(ticket, now)
             return ticket, swept
         queue = self.queues[workload]
-        if self.max_queued is not None and self.queued >= self.max_queued:
-            raise ConcurrencyQueueFullError(
-                f"{self.queued} requests are already waiting (max_queued={self.max_queued})"
-            )
-        bound = self.rules.workloads[workload].max_queued
-        if bound is not None and len(queue) >= bound:
-            raise ConcurrencyQueueFullError(
-                f"{len(queue)} requests of workload {workload!r} are already waiting "
-                f"(its max_queued={bound})"
-            )
         queue[ticket.seq] = ticket
         self.queued += 1
+        granted = swept
         if self.timed:
-            granted = self._allocate(now)
+            # Buckets or a pause decide whether it goes now; the queue bound is checked
+            # after that, so that it only refuses a request that would wait.
+            granted += self._allocate(now)
             if ticket.lease is not None:
                 granted.remove(ticket)
-            return ticket, swept + granted
-        return ticket, swept
+                return ticket, granted
+        full = self._full(workload)
+        if full is not None:
+            ticket.refused = ConcurrencyQueueFullError(full)
+            granted += self.withdraw(ticket, now)
+        return ticket, granted
+
+    def _full(self, workload: str) -> str | None:
+        """Why the queue is too full for the request just added to ``workload``'s queue, or
+        None when it may wait."""
+        others = self.queued - 1
+        if self.max_queued is not None and others >= self.max_queued:
+            return f"{others} requests are already waiting (max_queued={self.max_queued})"
+        bound = self.rules.workloads[workload].max_queued
+        ahead = len(self.queues[workload]) - 1
+        if bound is not None and ahead >= bound:
+            return (
+                f"{ahead} requests of workload {workload!r} are already waiting "
+                f"(its max_queued={bound})"
+            )
+        return None
 
     def take_nowait(self, workload: str, now: float, tether: Tether | None) -> LeaseRecord | None:
         """Grant a slot now if the request would not have to wait, else take nothing (the
@@ -270,12 +290,18 @@ class LimiterState:
 
     def withdraw(self, ticket: Ticket, now: float) -> list[Ticket]:
         """Take a request back: out of the queue, or, if it was granted meanwhile, give the
-        slot back. Idempotent. Returns the tickets granted with the freed capacity."""
+        slot back. Idempotent. Returns the tickets granted with what it freed: its slot, or
+        its claim on the limiter's buckets (a waiting head short of a bucket holds back
+        every request after it in serving order that draws from that bucket)."""
         if ticket.lease is not None:
             return self.release(ticket.lease.lease_id, now)
         queue = self.queues.get(ticket.workload)  # gone when reconfigure() refused it
         if queue is not None and queue.pop(ticket.seq, None) is not None:
             self.queued -= 1
+            if self.bank:
+                # Without buckets a waiter holds nothing back: nobody waits while their
+                # workload has room.
+                return self._allocate(now)
         return []
 
     # -- leases ---------------------------------------------------------------------------
@@ -400,12 +426,18 @@ class LimiterState:
     ) -> tuple[list[Ticket], list[Ticket]]:
         """Apply new limits at once. Every held lease still counts until it is released or
         expires (a workload that is gone keeps its leases, as a workload that can take
-        nothing more); the waiters of a workload that is gone are returned to be refused.
-        Returns (granted, refused)."""
+        nothing more). Waiters that can never be granted under the new limits are refused
+        (``ticket.refused`` says why): those of a workload that is gone, and those whose
+        cost a bucket made smaller can never hold. Returns (granted, refused)."""
         refused: list[Ticket] = []
         for name in list(self.queues):
             if name not in rules.workloads:
-                refused += self.queues.pop(name).values()
+                gone = list(self.queues.pop(name).values())
+                for ticket in gone:
+                    ticket.refused = ConcurrencyConfigError(
+                        f"workload {name!r} was removed by set_limits() while this request waited"
+                    )
+                refused += gone
         rules = retire(rules, self.active)
         for name in rules.workloads:
             self.queues.setdefault(name, OrderedDict())
@@ -418,7 +450,24 @@ class LimiterState:
             max(0, held - rules.workloads[name].reserved) for name, held in self.active.items()
         )
         self.bank = carry_over(self.bank, rules, now)
+        refused += self._refuse_oversized()
         return self._allocate(now), refused
+
+    def _refuse_oversized(self) -> list[Ticket]:
+        """Take out of the queues the waiters whose cost a bucket can never hold (their
+        buckets were made smaller), each with its error, as `check_cost` gives it."""
+        if not any(bucket.rule.kind == "tokens" for bucket in self.bank.buckets.values()):
+            return []  # a request costs one request, and every bucket holds one
+        refused = []
+        for queue in self.queues.values():
+            for ticket in list(queue.values()):
+                error = cost_error(self.bank, ticket.workload, ticket.cost)
+                if error is not None:
+                    ticket.refused = error
+                    del queue[ticket.seq]
+                    self.queued -= 1
+                    refused.append(ticket)
+        return refused
 
     def rebase(self, now: float) -> None:
         """The shell moved this idle state (no lease, no waiter) to another clock: forget
@@ -545,13 +594,22 @@ def _enqueued_at(ticket: Ticket) -> float:
 def check_cost(bank: Bank, workload: str, cost: Cost) -> None:
     """Raise `ConcurrencyConfigError` when a request of ``workload`` costing ``cost`` can
     never be granted: one of its buckets can never hold that much."""
+    error = cost_error(bank, workload, cost)
+    if error is not None:
+        raise error
+
+
+def cost_error(bank: Bank, workload: str, cost: Cost) -> ConcurrencyConfigError | None:
+    """The error of a request of ``workload`` costing ``cost`` that one of its buckets can
+    never hold, or None when every bucket can."""
     oversized = bank.oversized(workload, cost)
-    if oversized is not None:
-        key, units, rule = oversized
-        raise ConcurrencyConfigError(
-            f"a request of {units} {rule.kind} can never be granted: bucket {key!r} "
-            f"holds at most {rule.capacity} {rule.kind} per {rule.per:g}s"
-        )
+    if oversized is None:
+        return None
+    key, units, rule = oversized
+    return ConcurrencyConfigError(
+        f"a request of {units} {rule.kind} can never be granted: bucket {key!r} "
+        f"holds at most {rule.capacity} {rule.kind} per {rule.per:g}s"
+    )
 
 
 def pause(

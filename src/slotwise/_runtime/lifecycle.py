@@ -601,12 +601,21 @@ def can_block(limiter: Any) -> bool:
 
 def _take_at_once(slot: Slot, loop: Loop) -> bool:
     """For a tethering limiter: take a free slot now, before anything yields, so that
-    arrival order is the order of calls. False: the request must wait (`_wait`)."""
+    arrival order is the order of calls. False: the request must wait (`_wait`). A refusal
+    is reported and raised as `_wait` reports and raises it."""
     limiter = slot.limiter
     cls = type(limiter)
     if cls not in _tethering:
         return False
-    lease = cls._take_nowait(limiter, slot.workload, loop, weakref.ref(slot), slot._tokens)
+    try:
+        lease = cls._take_nowait(limiter, slot.workload, loop, weakref.ref(slot), slot._tokens)
+    except BaseException as exc:
+        if _fatal(exc):
+            raise
+        if dispatch._subscriptions and dispatch.wants(limiter):
+            run = slot._run
+            _wait_started(slot, loop.clock(), run.deadline_on(loop) if run is not None else None)
+        _failed(slot, exc, 0.0, False, loop.cancelled)
     if lease is None:
         return False
     slot.lease = lease
