@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.machinery
+import sys
 import threading
 import time
+import types
 from typing import Any
 
 import anyio
 import pytest
+import trio
 from trio.testing import MockClock
 
 from slotwise import (
@@ -30,6 +34,7 @@ from slotwise import (
     Rate,
     Workload,
 )
+from slotwise._runtime import loop as loop_module
 
 pytestmark = pytest.mark.anyio
 
@@ -354,3 +359,34 @@ async def test_a_fast_path_error_carries_the_request_and_is_reported(
     assert error.limiter == "clocked"
     assert error.workload == "default"
     assert [e.kind for e in events if isinstance(e, ConfigErrorEvent)] == ["config-error"]
+
+
+# -- (g) the running loop, with trio half imported in another thread --------------------------
+
+
+def _half_imported(name: str, **attributes: Any) -> types.ModuleType:
+    module = types.ModuleType(name)
+    spec = importlib.machinery.ModuleSpec(name, None)
+    spec._initializing = True  # type: ignore[attr-defined]  # what importlib sets meanwhile
+    module.__spec__ = spec
+    for key, value in attributes.items():
+        setattr(module, key, value)
+    return module
+
+
+def test_the_loop_is_found_while_trio_is_half_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """trio's modules are in sys.modules from the moment their import starts: another thread
+    importing trio must not break the loop lookup of this one (which runs no trio)."""
+    monkeypatch.setitem(sys.modules, "trio", _half_imported("trio"))
+    monkeypatch.setitem(sys.modules, "trio._core._run", _half_imported("trio._core._run"))
+    monkeypatch.setattr(loop_module, "_trio_context", None)
+    assert loop_module.current() is None
+
+    async def inside() -> object:
+        return loop_module.current()
+
+    assert isinstance(asyncio.run(inside()), loop_module.AsyncioLoop)
+    monkeypatch.undo()
+    # Once trio's import has completed, its runs are found again.
+    assert isinstance(trio.run(inside), loop_module.TrioLoop)
+    assert isinstance(asyncio.run(inside()), loop_module.AsyncioLoop)

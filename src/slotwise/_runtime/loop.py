@@ -337,12 +337,12 @@ def current() -> Loop | None:
     # current_trio_token) add calls and their interrupt protection.
     context = _trio_context
     if context is None and "trio._core._run" in sys.modules:
-        context = getattr(sys.modules["trio._core._run"], "GLOBAL_RUN_CONTEXT", None)
-        _trio_context = context
-        if context is None:  # trio's internals moved: its public functions
-            trio = sys.modules["trio"]
-            if trio.lowlevel.in_trio_run():
-                return TrioLoop(trio.lowlevel.current_trio_token())
+        run = sys.modules["trio._core._run"]
+        context = _trio_context = getattr(run, "GLOBAL_RUN_CONTEXT", None)
+        if context is None and _imported(run):  # trio's internals moved: its public API
+            lowlevel = getattr(sys.modules.get("trio"), "lowlevel", None)
+            if lowlevel is not None and lowlevel.in_trio_run():
+                return TrioLoop(lowlevel.current_trio_token())
     runner = None if context is None else getattr(context, "runner", None)
     if runner is not None:
         if cache.key is not runner:
@@ -356,6 +356,13 @@ def current() -> Loop | None:
         cache.loop = AsyncioLoop(running)
         cache.key = running
     return cache.loop
+
+
+def _imported(module: Any) -> bool:
+    """Whether ``module``'s import has completed. A module is in sys.modules from the moment
+    its import starts: while another thread imports trio, trio's run context may not exist
+    yet, and this thread, which cannot be running trio, must not look for it."""
+    return not getattr(getattr(module, "__spec__", None), "_initializing", False)
 
 
 def now() -> float:
