@@ -390,3 +390,32 @@ def test_the_loop_is_found_while_trio_is_half_imported(monkeypatch: pytest.Monke
     # Once trio's import has completed, its runs are found again.
     assert isinstance(trio.run(inside), loop_module.TrioLoop)
     assert isinstance(asyncio.run(inside()), loop_module.AsyncioLoop)
+
+
+# -- (h) token counts and capacities a float holds exactly ------------------------------------
+
+
+async def test_token_counts_beyond_exact_floats_are_refused_at_once() -> None:
+    big = 2**53 + 1
+    with pytest.raises(ConcurrencyConfigError, match=str(big)):
+        MemoryLimiter(name="tpm", max_concurrent=1, rate=Rate(tokens=big))
+    with pytest.raises(ConcurrencyConfigError, match=r"rate.tokens"):
+        MemoryLimiter(name="tpm", max_concurrent=1, rate=Rate(tokens=10**400))
+    limiter = MemoryLimiter(name="tpm", max_concurrent=2, rate=Rate(tokens=2**53))
+    with pytest.raises(ConcurrencyConfigError, match=str(big)):
+        async with limiter.slot(tokens=big):
+            pytest.fail("too many tokens")
+    async with limiter.slot(tokens=2**53):
+        pass  # the largest count is fine
+
+
+async def test_a_used_tokens_that_fails_leaves_the_estimate_as_it_was() -> None:
+    limiter = MemoryLimiter(name="tpm", max_concurrent=2, rate=Rate(tokens=1000, per=3600.0))
+    async with limiter.slot(tokens=100) as slot:
+        assert round(limiter.stats_nowait().buckets["tokens"].level) == 900
+        for bad in (10**400, 2**53 + 1):
+            with pytest.raises(ValueError, match=str(bad)):
+                slot.used_tokens(bad)
+            assert round(limiter.stats_nowait().buckets["tokens"].level) == 900
+        slot.used_tokens(300)  # 200 more than the estimate of 100
+        assert round(limiter.stats_nowait().buckets["tokens"].level) == 700

@@ -13,6 +13,7 @@ from ._errors import ConcurrencyConfigError, ConcurrencyTimeoutError
 __all__ = (
     "DEFAULT_LEASE_TTL",
     "DEFAULT_WORKLOAD",
+    "MAX_UNITS",
     "Adaptive",
     "Rate",
     "Settings",
@@ -20,11 +21,15 @@ __all__ = (
     "build_settings",
     "resolve_workload",
     "seconds",
+    "token_count",
     "wait_timeout",
 )
 
 DEFAULT_WORKLOAD = "default"
 DEFAULT_LEASE_TTL = 30.0
+# The largest count of requests or tokens (a rate's capacity, a request's tokens) that a
+# float holds exactly: rate buckets keep their levels as floats.
+MAX_UNITS = 2**53
 
 
 @attrs.frozen(kw_only=True)
@@ -142,6 +147,32 @@ def _positive_int(setting: str, value: object) -> int:
     return value  # type: ignore[return-value]
 
 
+def _shown(value: int) -> str:
+    try:
+        return repr(value)
+    except ValueError:  # more digits than Python converts (sys.set_int_max_str_digits)
+        return f"an integer of {value.bit_length()} bits"
+
+
+def token_count(
+    setting: str,
+    value: object,
+    error: type[Exception] = ConcurrencyConfigError,
+    *,
+    optional: bool = False,
+) -> int:
+    """Validate a count of tokens: a non-negative integer, at most `MAX_UNITS`; ``error``
+    naming ``setting`` and the value when it is not one (``optional``: None was allowed)."""
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        allowed = "None or a non-negative integer" if optional else "a non-negative integer"
+        raise error(f"{setting} must be {allowed}, got {value!r}")
+    if value > MAX_UNITS:  # type: ignore[operator]
+        raise error(
+            f"{setting} must be at most 2**53 ({MAX_UNITS}), got {_shown(value)}"  # type: ignore[arg-type]
+        )
+    return value  # type: ignore[return-value]
+
+
 def retry_after_seconds(value: object) -> float | None:
     """Validate a provider's `retry_after` (seconds, or None for a backoff); ValueError when
     it is negative, not finite or not a number (an endless pause would stop the limiter)."""
@@ -184,6 +215,10 @@ def _rate(setting: str, rate: object) -> dict[str, BucketRule]:
         value = getattr(rate, kind)
         if value is not None:
             capacity = _positive_int(f"{setting}.{kind}", value)
+            if capacity > MAX_UNITS:
+                raise ConcurrencyConfigError(
+                    f"{setting}.{kind} must be at most 2**53 ({MAX_UNITS}), got {_shown(capacity)}"
+                )
             reserve = capacity / per * latency
             rules[kind] = BucketRule(kind=kind, capacity=capacity, per=per, reserve=reserve)
     if not rules:

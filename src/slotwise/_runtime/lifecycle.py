@@ -34,7 +34,7 @@ from typing import Any, Generic, NoReturn, TypeVar, final, overload
 
 import anyio
 
-from .._config import DEFAULT_WORKLOAD, retry_after_seconds
+from .._config import DEFAULT_WORKLOAD, retry_after_seconds, token_count
 from .._errors import (
     ConcurrencyConfigError,
     ConcurrencyError,
@@ -341,14 +341,15 @@ class Slot:
             tokens: The tokens the request used, input and output together.
 
         Raises:
-            ValueError: `tokens` is not a non-negative integer.
+            ValueError: `tokens` is not a non-negative integer, or is above 2**53; the
+                estimate is then left as it was.
         """
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-            raise ValueError(f"tokens must be a non-negative integer, got {tokens!r}")
-        delta, self._tokens = tokens - self._tokens, tokens
+        tokens = token_count("tokens", tokens, ValueError)
+        delta = tokens - self._tokens
         charge = getattr(type(self.limiter), "charge_tokens", None)
         if delta and charge is not None and self.lease is not None:
             charge(self.limiter, self.lease, delta)
+        self._tokens = tokens  # once charged: a call that fails leaves the estimate as it was
 
     def provider_remaining(self, *, requests: int | None = None, tokens: int | None = None) -> None:
         """Tell the limiter what the provider says is left of its rate limits (the
@@ -759,12 +760,8 @@ def _request(
 ) -> tuple[Slot, Run | None]:
     """The slot a request will fill: its limiter, workload, token estimate and lineage,
     checked. A slot with no limiter limits nothing."""
-    if tokens is not None and (
-        not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0
-    ):
-        raise ConcurrencyConfigError(
-            f"tokens must be None or a non-negative integer, got {tokens!r}"
-        )
+    if tokens is not None:
+        token_count("tokens", tokens, optional=True)
     run = _current_run.get()
     if limiter is None:
         limiter = run.limiter if run is not None else None
