@@ -419,3 +419,34 @@ async def test_a_used_tokens_that_fails_leaves_the_estimate_as_it_was() -> None:
             assert round(limiter.stats_nowait().buckets["tokens"].level) == 900
         slot.used_tokens(300)  # 200 more than the estimate of 100
         assert round(limiter.stats_nowait().buckets["tokens"].level) == 700
+
+
+# -- a claim on a limiter bucket lasts while that bucket is short ------------------------------
+
+
+@on_asyncio_and_mock_clock()
+async def test_a_claim_lifts_when_the_claimed_bucket_refills_not_when_the_head_can_go() -> None:
+    """A head short of its workload's slow bucket and of the limiter's fast one claims the
+    limiter's: a request of another workload behind it goes once the limiter's bucket holds
+    the head's cost again (0.3 s), not when the head's own bucket does (6 s)."""
+    limiter = MemoryLimiter(
+        name="tpm",
+        max_concurrent=8,
+        rate=Rate(tokens=1000, per=6.0),
+        workloads={"bg": Workload(rate=Rate(tokens=100, per=6.0)), "fg": Workload()},
+    )
+    async with limiter.slot("bg", tokens=100):
+        pass  # bg's bucket is empty: 6 s to hold 100 again
+    async with limiter.slot("fg", tokens=850):
+        pass  # the limiter's holds 50: 0.3 s to hold 100
+    start_time = anyio.current_time()
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            head = await start(tg, Waiter(limiter, "bg", tokens=100))
+            behind = await start(tg, Waiter(limiter, "fg", tokens=60))
+            await behind.settled.wait()
+            assert behind.error is None
+            assert anyio.current_time() - start_time < 3
+            assert not head.entered
+            head.scope.cancel()
+            behind.done.set()

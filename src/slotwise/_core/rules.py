@@ -10,6 +10,7 @@ beyond it, so a reserved slot is never lent: other workloads can only ever take 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -98,8 +99,9 @@ def allocate(
             from it. None (or empty): no rate limits.
         cost: A request's cost in each kind of bucket (needed with a bank).
         blocked: Called for each head that has a slot but must wait for buckets, with the
-            keys of those buckets and the seconds until its own buckets hold its cost
-            (``inf`` when it waits behind an earlier claim on a shared bucket).
+            keys of those buckets and the seconds until the decision about it can change:
+            until its buckets hold its cost, or sooner until a limiter bucket it claims
+            does (the claim lifts then); ``inf`` when it waits behind an earlier claim.
 
     Repeatedly, among the workloads that have room and waiters, the one with the highest
     priority is served (a tie goes to the head that has waited longest), until no workload
@@ -108,7 +110,8 @@ def allocate(
     With rate limits, a head with room whose buckets lack its cost waits, and so does its
     whole workload (arrival order); the limiter's buckets it lacks are claimed for it, so no
     request after it in that order (of a lower priority, or later at the same priority)
-    takes from them before it. A workload's own buckets serve that workload only.
+    takes from them while they lack its cost. A workload's own buckets serve that workload
+    only.
     """
     counts = dict(active)
     shared_used = shared_in_use(rules, counts)
@@ -161,10 +164,12 @@ def allocate(
             short = [key for key, bucket, units in needs if not bucket.holds(units)]
             behind = [key for key, _, _ in needs if key in claimed]
             if short or behind:
-                claimed.update(key for key in short if key in price)  # the limiter's own
+                claims = [key for key in short if key in price]  # the limiter's own
+                claimed.update(claims)
                 if blocked is not None:
-                    wait = max((b.wait(u) for k, b, u in needs if k in short), default=0.0)
-                    blocked(heads[best], short + behind, wait if short else float("inf"))
+                    waits = {k: b.wait(u) for k, b, u in needs if k in short}
+                    wait = min([max(waits.values(), default=math.inf), *(waits[k] for k in claims)])
+                    blocked(heads[best], short + behind, wait)
                 del heads[best]  # the rest of its workload waits behind it
                 continue
             bank.take(best, price)
