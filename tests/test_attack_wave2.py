@@ -25,11 +25,13 @@ import trio
 from trio.testing import MockClock
 
 from slotwise import (
+    AcquireRequest,
     ConcurrencyConfigError,
     ConcurrencyEvent,
     ConcurrencyQueueFullError,
     ConcurrencyTimeoutError,
     ConfigErrorEvent,
+    Lease,
     MemoryLimiter,
     Rate,
     Workload,
@@ -450,3 +452,32 @@ async def test_a_claim_lifts_when_the_claimed_bucket_refills_not_when_the_head_c
             assert not head.entered
             head.scope.cancel()
             behind.done.set()
+
+
+# -- a grant made again after its lease ran out unused is charged once -------------------------
+
+
+async def test_a_grant_made_again_after_its_lease_ran_out_is_charged_once() -> None:
+    """An untethered grant (the Limiter protocol) whose lease runs out before its waiter
+    resumes is made again: the request reaches the provider once, and is charged once."""
+    limiter = MemoryLimiter(
+        name="tpm", max_concurrent=1, lease_ttl=0.05, rate=Rate(tokens=1000, per=3600.0)
+    )
+
+    def request() -> AcquireRequest:
+        return AcquireRequest(workload="default", request_id="r", tokens=100)
+
+    first = await limiter.acquire(request())
+    leases: list[Lease] = []
+
+    async def wait() -> None:
+        leases.append(await limiter.acquire(request()))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        await anyio.wait_all_tasks_blocked()
+        await limiter.release(first)  # granted to the waiter, charged 100 tokens
+        time.sleep(0.1)  # noqa: ASYNC251 - its loop stalls past lease_ttl before it resumes
+    (lease,) = leases
+    assert round(limiter.stats_nowait().buckets["tokens"].level) == 800
+    await limiter.release(lease)

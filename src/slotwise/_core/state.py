@@ -274,14 +274,20 @@ class LimiterState:
     def regrant(self, ticket: Ticket, now: float) -> list[Ticket]:
         """A granted ticket whose lease ran out before its waiter could use it (the waiter's
         thread or loop stalled): drop that lease and put the ticket back at the head of its
-        queue, where it was when it was granted. Returns what allocation grants now, which
-        may be the ticket itself again."""
+        queue, where it was when it was granted, its cost given back to the buckets. Returns
+        what allocation grants now, which may be the ticket itself again."""
         record = ticket.lease
         assert record is not None
         ticket.lease = None
         if self.leases.get(record.lease_id) is record:
             del self.leases[record.lease_id]
             self._drop(record)
+        if self.bank:
+            # Its request never went on that grant: what the grant took from the buckets
+            # comes back, so that the grant made again is the only charge.
+            self.bank.refill(now)
+            for kind, units in ticket.cost.items():
+                self.bank.give(ticket.workload, kind, -units)
         queue = self.queues[ticket.workload]
         queue[ticket.seq] = ticket
         queue.move_to_end(ticket.seq, last=False)
