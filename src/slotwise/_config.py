@@ -42,9 +42,9 @@ class Rate:
     RPM and TPM; on a workload it is a ceiling inside the limiter's.
 
     Attributes:
-        requests: Requests per `per` seconds; None: no request limit.
-        tokens: Tokens per `per` seconds (the estimates given to `slot(tokens=...)`,
-            corrected by `Slot.used_tokens()`); None: no token limit.
+        requests: Requests per `per` seconds (at most 2**53); None: no request limit.
+        tokens: Tokens per `per` seconds, at most 2**53 (the estimates given to
+            `slot(tokens=...)`, corrected by `Slot.used_tokens()`); None: no token limit.
         per: The period, in seconds (60: per minute).
         latency: Seconds a granted request may take to reach the provider. The provider
             counts a request when it arrives, and while its bucket is full it loses the

@@ -231,8 +231,10 @@ class MemoryLimiter(BuiltinLimiter[W]):
 
         Held slots are never revoked: with a smaller limit, new grants wait until fewer are
         active. Requests waiting for a workload that is gone fail with
-        `ConcurrencyConfigError`; slots held in it count until they are released. Emits
-        `limit-changed` when the limit in force changes.
+        `ConcurrencyConfigError` (slots held in it count until they are released), and so
+        do waiting requests whose token estimate a smaller bucket can never hold (the error
+        names the bucket, as for a request too large at once). Emits `limit-changed` when
+        the limit in force changes.
 
         Args:
             max_concurrent: The new limit; None: unchanged.
