@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import json
 import logging
@@ -265,6 +264,17 @@ class _Waiter:
 
 
 @final
+class _Release:
+    """A release waiting for the poller's next round (or under way in it)."""
+
+    __slots__ = ("error", "event")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()  # set when its transaction ended
+        self.error: BaseException | None = None
+
+
+@final
 class PostgresLimiter(BuiltinLimiter[W]):
     """A limiter whose slots live in PostgreSQL, shared by every process using its name.
 
@@ -369,7 +379,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
         "_pool",
         "_q",
         "_queue_entry_ttl",
+        "_releases",
         "_rounds",
+        "_sending",
         "_settings_json",
         "_start_lock",
         "_started",
@@ -507,6 +519,10 @@ class PostgresLimiter(BuiltinLimiter[W]):
         # Entries of requests that ended without their lease, with when: the poller drops
         # them, and gives back any slot granted to them.
         self._abandoned: dict[str, float] = {}
+        # Releases for the poller's next round, and those its round under way sends, by
+        # lease id (a second release of the same lease waits for the first).
+        self._releases: dict[str, _Release] = {}
+        self._sending: dict[str, _Release] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # transactions running (see _run)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
         self._poller: asyncio.Task[None] | None = None
@@ -587,6 +603,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._waiters.clear()
         self._pending.clear()
         self._abandoned.clear()
+        self._releases.clear()
+        self._sending.clear()
         self._tasks.clear()
         self._owner = str(uuid.uuid4())  # what the old loop left behind is a dead process's
         if self._owns_pool:
@@ -649,14 +667,28 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._waiters.clear()
         self._pending.clear()
         self._abandoned.clear()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(3 * self.db_timeout):
-            while self._tasks:  # transactions under way end before the withdrawal
-                await asyncio.wait(set(self._tasks))
-            if withdraw and started:
-                with contextlib.suppress(Exception):  # else they go stale; leases expire
-                    await self._run(partial(self._cycle, withdraw=withdraw))
-            while self._tasks:  # and before their pool closes
-                await asyncio.wait(set(self._tasks))
+        # Releases the poller had not sent, or whose round it was stopped in (a release is
+        # idempotent: sent again, it changes nothing if that round committed).
+        releases, self._releases = self._releases, {}
+        error: BaseException | None = ConcurrencyLimiterError("the limiter was closed")
+        try:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(3 * self.db_timeout):
+                while self._tasks:  # transactions under way end before the withdrawal
+                    await asyncio.wait(set(self._tasks))
+                if (withdraw or releases) and started:
+                    try:  # else the entries go stale, and the leases expire
+                        await self._run(
+                            partial(self._cycle, withdraw=withdraw, release=list(releases))
+                        )
+                        error = None
+                    except Exception as exc:
+                        error = exc
+                while self._tasks:  # and before their pool closes
+                    await asyncio.wait(set(self._tasks))
+        finally:
+            for done in releases.values():
+                done.error = error
+                done.event.set()
         if self._owns_pool:
             with anyio.CancelScope(shield=True):
                 await self._pool.close()
@@ -922,10 +954,17 @@ class PostgresLimiter(BuiltinLimiter[W]):
         if not _is_uuid(lease.lease_id):
             await checkpoint()
             return
-        # The transaction is under way before anything awaits (unless one storing the
-        # provider's pushback is under way): aclose() waits for it.
-        cycle = await self._run_cycle(release=lease.lease_id)
-        self._deliver(cycle.granted)
+        # The poller's next round sends it, with the other releases, requests and
+        # withdrawals of this process (one transaction for them all), and hands what it
+        # frees to the waiters of every process. aclose() sends it if the poller has not.
+        lease_id = lease.lease_id
+        done = self._releases.get(lease_id) or self._sending.get(lease_id)
+        if done is None:
+            done = self._releases[lease_id] = _Release()
+        self._wake_poller()
+        await done.event.wait()
+        if done.error is not None:
+            raise done.error
 
     # -- the poller: one per limiter per process ------------------------------------------
 
@@ -954,8 +993,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._kick = anyio.Event()
         self._rounds = anyio.Event()
         try:
-            while self._waiters or self._abandoned:
-                if not self._pending and not self._abandoned:
+            while self._waiters or self._abandoned or self._releases:
+                if not self._pending and not self._abandoned and not self._releases:
                     due = min(next_cycle, self._wake_at)
                     with anyio.move_on_after(max(due - anyio.current_time(), 0)):
                         await self._kick.wait()
@@ -964,13 +1003,16 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 batch = list(self._pending.values())
                 self._pending.clear()
                 withdraw = self._withdrawals()
+                # Releases that arrive from now on go in the next round.
+                releases = self._sending = self._releases
+                self._releases = {}
                 # Entries enqueued by earlier rounds: committed before this round began.
                 asked = list(self._waiters.keys() - {waiter.entry_id for waiter in batch})
                 try:
                     due = min(next_cycle, self._wake_at)
-                    if batch or withdraw or anyio.current_time() >= due:
+                    if batch or withdraw or releases or anyio.current_time() >= due:
                         next_cycle = anyio.current_time() + interval
-                        await self._poll_cycle(batch, withdraw, asked)
+                        await self._poll_cycle(batch, withdraw, asked, releases)
                     else:
                         granted = await self._run(partial(self._fetch, asked=asked), read=True)
                         self._deliver(granted)
@@ -982,8 +1024,20 @@ class PostgresLimiter(BuiltinLimiter[W]):
                         if waiter is not None:
                             waiter.error = exc
                             waiter.event.set()
+                    for done in releases.values():
+                        done.error = exc
                     if withdraw:
                         await anyio.sleep(interval)  # to try them again, not in a tight loop
+                except BaseException:
+                    # Stopped by aclose(): whether this round committed is not known, so its
+                    # releases go back for aclose() to send again.
+                    self._releases.update(releases)
+                    releases = {}
+                    raise
+                finally:
+                    self._sending = {}
+                    for done in releases.values():
+                        done.event.set()
                 rounds, self._rounds = self._rounds, anyio.Event()
                 rounds.set()
         finally:
@@ -1002,17 +1056,27 @@ class PostgresLimiter(BuiltinLimiter[W]):
         return list(self._abandoned)
 
     async def _poll_cycle(
-        self, batch: list[_Waiter], withdraw: list[str], asked: list[str]
+        self,
+        batch: list[_Waiter],
+        withdraw: list[str],
+        asked: list[str],
+        releases: dict[str, _Release],
     ) -> None:
         beat = anyio.current_time() - self._beat_at >= self._queue_entry_ttl / 3
         cycle = await self._run_cycle(
             enqueue=batch,
             withdraw=withdraw,
+            release=list(releases),
             asked=asked,
             heartbeat=beat,
             alive=True,
             retry=not batch,
         )
+        # Committed: the releases are done, even when the limits turn out to be replaced
+        # (a lease is released whatever limits are stored now).
+        for done in releases.values():
+            done.event.set()
+        releases.clear()
         if beat:
             self._beat_at = anyio.current_time()
         for entry_id in withdraw:
@@ -1392,7 +1456,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         *,
         enqueue: Sequence[_Waiter] = (),
         withdraw: Sequence[str] = (),
-        release: str | None = None,
+        release: Sequence[str] = (),
         asked: list[str] | None = None,
         heartbeat: bool = False,
         alive: bool = False,
@@ -1438,7 +1502,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             {
                 "name": name,
                 "owner": self._owner,
-                "release": release,
+                "release": list(release),
                 "withdraw": list(withdraw),
                 "beat": heartbeat,
                 "asked": asked or [],
@@ -1498,7 +1562,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             prepare=False,
         )
         locked_row = await locked.fetchone()
-        if locked_row is not None and not locked_row[0] and (release is not None or withdraw):
+        if locked_row is not None and not locked_row[0] and (release or withdraw):
             # Another process stored other limits: allocating with ours would break theirs,
             # but the lease released and the entries withdrawn above go all the same.
             try:
@@ -1561,15 +1625,17 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 pace.bank.give(item.workload, "tokens", item.units)
             else:
                 pace.bank.observe(item.kind, item.remaining, now)
-        released = swept_row[-1]  # [epoch, throttled] of the lease released here
-        if released is not None and not released[1]:
+        # [epoch, throttled] of each lease released here, in the order given.
+        for epoch, throttled in swept_row[-1] or ():
+            if throttled:
+                continue
             # A success: the backoff starts again from a second; an adaptive limit climbs.
             if pace.backoffs:
                 pace.backoffs = 0
                 pace.dirty = True
             if pace.aimd is not None:
                 old_limit, credit = pace.aimd.limit, pace.aimd.credit
-                new_limit = pace.aimd.success(int(released[0]))
+                new_limit = pace.aimd.success(int(epoch))
                 pace.dirty = pace.dirty or pace.aimd.credit != credit
                 if new_limit is not None:
                     changes.append((old_limit, new_limit, "recovered"))
@@ -2010,7 +2076,7 @@ class _Queries:
             WITH gone AS (
                 DELETE FROM {s}.leases
                 WHERE limiter = %(name)s
-                  AND (expires_at <= clock_timestamp() OR lease_id = %(release)s::uuid
+                  AND (expires_at <= clock_timestamp() OR lease_id = ANY(%(release)s::uuid[])
                        OR (entry_id = ANY(%(withdraw)s::uuid[]) AND owner = %(owner)s::uuid))
                 RETURNING lease_id, epoch, throttled
             ), stale AS (
@@ -2032,8 +2098,9 @@ class _Queries:
             )
             SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM stale),
                    (SELECT count(*) FROM beat), (SELECT count(*) FROM dead),
-                   (SELECT json_build_array(epoch, throttled) FROM gone
-                    WHERE lease_id = %(release)s::uuid)
+                   (SELECT json_agg(json_build_array(epoch, throttled)
+                                    ORDER BY array_position(%(release)s::uuid[], lease_id))
+                    FROM gone WHERE lease_id = ANY(%(release)s::uuid[]))
             """
         )
         self.alive = q(
