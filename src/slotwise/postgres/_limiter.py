@@ -357,6 +357,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     __slots__ = (
         "_abandoned",
+        "_alive_at",
         "_applying",
         "_backoffs",
         "_base",
@@ -531,6 +532,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._kick: anyio.Event | None = None
         self._rounds: anyio.Event | None = None  # set after each round of the poller
         self._beat_at = -math.inf
+        self._alive_at = -math.inf  # when the poller last said in the database that it waits
         # The database clock minus this loop's clock, as last measured (an upper bound, so
         # a lease's expiry converted with it is never later than the truth).
         self._offset: float | None = None
@@ -607,6 +609,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._sending.clear()
         self._tasks.clear()
         self._owner = str(uuid.uuid4())  # what the old loop left behind is a dead process's
+        self._alive_at = -math.inf
         if self._owns_pool:
             self._pool = _own_pool(self._pool.conninfo)  # type: ignore[arg-type]
 
@@ -696,6 +699,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         # A new identity for the next start: anything of this one left behind is a dead
         # process's, passed over at once.
         self._owner = str(uuid.uuid4())
+        self._alive_at = -math.inf
 
     def slot(
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
@@ -1062,16 +1066,22 @@ class PostgresLimiter(BuiltinLimiter[W]):
         asked: list[str],
         releases: dict[str, _Release],
     ) -> None:
-        beat = anyio.current_time() - self._beat_at >= self._queue_entry_ttl / 3
+        began = anyio.current_time()
+        beat = began - self._beat_at >= self._queue_entry_ttl / 3
+        # Once per poll interval is enough (its entries stay grantable for five), not at
+        # every round: a busy process runs many rounds per interval.
+        alive = began - self._alive_at >= min(self.poll_interval, self._queue_entry_ttl / 3)
         cycle = await self._run_cycle(
             enqueue=batch,
             withdraw=withdraw,
             release=list(releases),
             asked=asked,
             heartbeat=beat,
-            alive=True,
+            alive=alive,
             retry=not batch,
         )
+        if alive or batch:
+            self._alive_at = began
         # Committed: the releases are done, even when the limits turn out to be replaced
         # (a lease is released whatever limits are stored now).
         for done in releases.values():
@@ -2001,8 +2011,10 @@ class _Queries:
     )
 
     def __init__(self, schema: str) -> None:
-        def q(text: str) -> sql.Composed:
-            return sql.SQL(text).format(s=sql.Identifier(schema))
+        # Rendered to bytes once: psycopg then converts each statement's placeholders once
+        # per process (its cache is keyed by the query's bytes), not at every execution.
+        def q(text: str) -> bytes:
+            return sql.SQL(text).format(s=sql.Identifier(schema)).as_bytes(None)
 
         self.insert_limiter = q(
             "INSERT INTO {s}.limiters (name, settings) VALUES (%s, %s::jsonb) "
