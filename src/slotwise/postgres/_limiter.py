@@ -281,9 +281,12 @@ class PostgresLimiter(BuiltinLimiter[W]):
     Each allocation is one short transaction that holds the limiter's row lock and runs the
     same allocation rules as `slotwise.MemoryLimiter`; no connection is held while a
     request waits or while the body runs. Lease expiry and wait deadlines are on the
-    database clock. In each process one poller per limiter serves every local waiter, and
-    `LISTEN`/`NOTIFY` wakes it when another process grants it a slot, so the database
-    load grows with processes, not with waiters.
+    database clock. In each process one poller per limiter does the database work of every
+    local request: each of its rounds is one transaction that carries the releases, new
+    requests and withdrawals of all the process's tasks since the last round, and grants
+    every waiter, of any process, that the freed slots allow. `LISTEN`/`NOTIFY` wakes it
+    when another process grants it a slot, so the database load grows with processes, not
+    with waiters, and a busy process commits once per round, not once per request.
 
     asyncio only (psycopg's async API): under trio, `acquire` fails with
     `ConcurrencyConfigError`. A limiter belongs to the event loop that started it (its pool,
@@ -949,8 +952,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
     async def release(self, lease: SupportsLease) -> None:
         """Give a slot back and grant what it frees to the waiters. Idempotent.
 
-        Works whatever limits are stored now: a lease taken under limits that another
-        process replaced is released all the same.
+        Returns once the poller's round that carries it has committed (releases made
+        together share one transaction). Works whatever limits are stored now: a lease
+        taken under limits that another process replaced is released all the same.
         """
         if not self._started:
             await self.start()
@@ -984,14 +988,15 @@ class PostgresLimiter(BuiltinLimiter[W]):
             self._kick.set()
 
     async def _poll_loop(self) -> None:
-        # The one task that talks to the database for this process's waiting requests (they
-        # only wait for its answers, so their deadlines and cancellations hold whatever the
-        # database does). A full allocation cycle runs when requests are to be enqueued (in
-        # arrival order, as one batch) or withdrawn, every poll_interval (it also sweeps
-        # dead processes' leases and entries, and says that this process is alive), and
-        # when time alone can grant something (a bucket refills, a pause ends: each cycle
-        # computes when); in between, a notification that another process granted us a
-        # slot triggers a lock-free read.
+        # The one task that talks to the database for this process's requests and releases
+        # (they only wait for its answers, so their deadlines and cancellations hold
+        # whatever the database does). A full allocation cycle runs when requests are to be
+        # enqueued (in arrival order, as one batch), withdrawn or released (all that arrived
+        # since the last round go in one transaction: a group commit of its tasks), every
+        # poll_interval (it also sweeps dead processes' leases and entries, and says that
+        # this process is alive), and when time alone can grant something (a bucket
+        # refills, a pause ends: each cycle computes when); in between, a notification that
+        # another process granted us a slot triggers a lock-free read.
         interval = min(self.poll_interval, self._queue_entry_ttl / 3)
         next_cycle = anyio.current_time()
         self._kick = anyio.Event()
