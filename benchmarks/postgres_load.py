@@ -13,6 +13,15 @@ transaction every ``poll_interval``, no notifications):
    from the start of ``release()`` in one to ``acquire()`` returning in the other;
 3. throughput: 4 processes x 50 tasks take and release slots of an 8-slot limiter as fast
    as they can, with durable and with asynchronous commits.
+
+Beside them, the ceiling of the server for the kind of transaction every allocation is:
+``pgbench`` (from ``pg_config --bindir``), 4 clients for 5 s, each transaction locking one row
+of a one-row table of the benchmark's own (``SELECT ... FOR UPDATE``), updating it and
+committing, durable and asynchronous. A limiter's allocations serialise on its row lock the
+same way, so its transactions per second cannot exceed that figure; its grants per second can,
+by granting several slots per transaction.
+
+``--only idle|latency|throughput|pgbench`` (repeatable) runs some sections alone.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import asyncio
 import itertools
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -293,23 +304,98 @@ async def throughput(dsn: str, design: str, durable: bool, seconds: float = 6.0)
     return float(sum(counts)) / seconds
 
 
-async def main(admin_dsn: str) -> None:
+# -- the server's ceiling: pgbench, one locked row -------------------------------------------
+
+PGBENCH_SCRIPT = """\
+BEGIN;
+{sync}
+SELECT n FROM slotwise_pgbench.one WHERE id = 1 FOR UPDATE;
+UPDATE slotwise_pgbench.one SET n = n + 1 WHERE id = 1;
+COMMIT;
+"""
+
+
+def pgbench_binary() -> str:
+    found = shutil.which("pgbench")
+    if found:
+        return found
+    bindir = subprocess.run(
+        ["pg_config", "--bindir"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    return os.path.join(bindir, "pgbench")
+
+
+def pgbench_ceiling(dsn: str, durable: bool, seconds: int = 5) -> float:
+    """Transactions per second of pgbench, 4 clients, each locking and updating one row of a
+    one-row table (in a schema of the benchmark's own, in its database), then committing."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA IF NOT EXISTS slotwise_pgbench")
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS slotwise_pgbench.one (id int PRIMARY KEY, n bigint)"
+        )
+        conn.execute("INSERT INTO slotwise_pgbench.one VALUES (1, 0) ON CONFLICT DO NOTHING")
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    sync = "" if durable else "SET LOCAL synchronous_commit = off;"
+    script = os.path.join(
+        os.environ.get("TMPDIR", "/tmp"), f"slotwise-pgbench-{os.getpid()}-{durable}.sql"
+    )
+    with open(script, "w") as f:
+        f.write(PGBENCH_SCRIPT.format(sync=sync))
+    try:
+        args = [pgbench_binary(), "-n", "-c", "4", "-j", "2", "-T", str(seconds), "-f", script]
+        for flag, key in (("-h", "host"), ("-p", "port"), ("-U", "user")):
+            if info.get(key):
+                args += [flag, str(info[key])]
+        args.append(str(info.get("dbname", BENCH_DB)))
+        out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(script)
+    match = re.search(r"tps = ([0-9.]+)", out)
+    assert match is not None, out
+    return float(match.group(1))
+
+
+SECTIONS = ("pgbench", "idle", "latency", "throughput")
+
+
+async def main(admin_dsn: str, only: list[str]) -> None:
     dsn = prepare(admin_dsn)
     report: dict[str, Any] = {"cpu_count": os.cpu_count(), "load_before": os.getloadavg()}
-    for durable in (True, False):
-        for design in ("polling", "notify"):
-            key = f"idle_queue[{design}, durable={durable}]"
-            report[key] = await idle_queue(dsn, design, durable)
-            print(key, report[key], flush=True)
-    for design, durable in (("polling", True), ("notify", True), ("notify", False)):
-        key = f"latency[{design}, durable={durable}]"
-        report[key] = await latency(dsn, design, durable)
-        print(key, report[key], flush=True)
-    for design in ("polling", "notify"):
+    sections = only or SECTIONS
+
+    def ceiling(when: str) -> None:
+        if "pgbench" in sections:
+            for durable in (True, False):
+                key = f"pgbench_one_row_tps[durable={durable}]{when}"
+                report[key] = pgbench_ceiling(dsn, durable)
+                print(key, report[key], flush=True)
+
+    ceiling("")
+    if "idle" in sections:
         for durable in (True, False):
-            key = f"grants_per_s[{design}, durable={durable}]"
-            report[key] = await throughput(dsn, design, durable)
+            for design in ("polling", "notify"):
+                key = f"idle_queue[{design}, durable={durable}]"
+                report[key] = await idle_queue(dsn, design, durable)
+                print(key, report[key], flush=True)
+    if "latency" in sections:
+        for design, durable in (("polling", True), ("notify", True), ("notify", False)):
+            key = f"latency[{design}, durable={durable}]"
+            report[key] = await latency(dsn, design, durable)
             print(key, report[key], flush=True)
+    if "throughput" in sections:
+        for design in ("polling", "notify"):
+            for durable in (True, False):
+                key = f"grants_per_s[{design}, durable={durable}]"
+                report[key] = await throughput(dsn, design, durable)
+                print(key, report[key], flush=True)
+    ceiling(" (after)")  # again at the end: the disk's flush time drifts
+    for durable in (True, False):
+        tps = [report.get(f"pgbench_one_row_tps[durable={durable}]{w}") for w in ("", " (after)")]
+        grants = report.get(f"grants_per_s[notify, durable={durable}]")
+        if grants and tps[0] and tps[1]:
+            key = f"grants_per_s / pgbench_tps [durable={durable}]"
+            report[key] = grants / statistics.mean(tps)
+            print(key, round(report[key], 2), flush=True)
     report["load_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
 
@@ -318,9 +404,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:5432/test")
     parser.add_argument("--worker")
+    parser.add_argument("--only", action="append", choices=SECTIONS, default=[])
     args = parser.parse_args()
     if args.worker:
         spec = json.loads(args.worker)
         asyncio.run(WORKERS[spec["kind"]](spec))
     else:
-        asyncio.run(main(args.dsn))
+        asyncio.run(main(args.dsn, args.only))

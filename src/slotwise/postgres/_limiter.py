@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import json
 import logging
@@ -265,15 +264,29 @@ class _Waiter:
 
 
 @final
+class _Release:
+    """A release waiting for the poller's next round (or under way in it)."""
+
+    __slots__ = ("error", "event")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()  # set when its transaction ended
+        self.error: BaseException | None = None
+
+
+@final
 class PostgresLimiter(BuiltinLimiter[W]):
     """A limiter whose slots live in PostgreSQL, shared by every process using its name.
 
     Each allocation is one short transaction that holds the limiter's row lock and runs the
     same allocation rules as `slotwise.MemoryLimiter`; no connection is held while a
     request waits or while the body runs. Lease expiry and wait deadlines are on the
-    database clock. In each process one poller per limiter serves every local waiter, and
-    `LISTEN`/`NOTIFY` wakes it when another process grants it a slot, so the database
-    load grows with processes, not with waiters.
+    database clock. In each process one poller per limiter does the database work of every
+    local request: each of its rounds is one transaction that carries the releases, new
+    requests and withdrawals of all the process's tasks since the last round, and grants
+    every waiter, of any process, that the freed slots allow. `LISTEN`/`NOTIFY` wakes it
+    when another process grants it a slot, so the database load grows with processes, not
+    with waiters, and a busy process commits once per round, not once per request.
 
     asyncio only (psycopg's async API): under trio, `acquire` fails with
     `ConcurrencyConfigError`. A limiter belongs to the event loop that started it (its pool,
@@ -347,6 +360,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     __slots__ = (
         "_abandoned",
+        "_alive_at",
         "_applying",
         "_backoffs",
         "_base",
@@ -369,7 +383,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
         "_pool",
         "_q",
         "_queue_entry_ttl",
+        "_releases",
         "_rounds",
+        "_sending",
         "_settings_json",
         "_start_lock",
         "_started",
@@ -507,6 +523,10 @@ class PostgresLimiter(BuiltinLimiter[W]):
         # Entries of requests that ended without their lease, with when: the poller drops
         # them, and gives back any slot granted to them.
         self._abandoned: dict[str, float] = {}
+        # Releases for the poller's next round, and those its round under way sends, by
+        # lease id (a second release of the same lease waits for the first).
+        self._releases: dict[str, _Release] = {}
+        self._sending: dict[str, _Release] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # transactions running (see _run)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
         self._poller: asyncio.Task[None] | None = None
@@ -515,6 +535,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._kick: anyio.Event | None = None
         self._rounds: anyio.Event | None = None  # set after each round of the poller
         self._beat_at = -math.inf
+        self._alive_at = -math.inf  # when the poller last said in the database that it waits
         # The database clock minus this loop's clock, as last measured (an upper bound, so
         # a lease's expiry converted with it is never later than the truth).
         self._offset: float | None = None
@@ -587,8 +608,11 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._waiters.clear()
         self._pending.clear()
         self._abandoned.clear()
+        self._releases.clear()
+        self._sending.clear()
         self._tasks.clear()
         self._owner = str(uuid.uuid4())  # what the old loop left behind is a dead process's
+        self._alive_at = -math.inf
         if self._owns_pool:
             self._pool = _own_pool(self._pool.conninfo)  # type: ignore[arg-type]
 
@@ -649,14 +673,28 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._waiters.clear()
         self._pending.clear()
         self._abandoned.clear()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(3 * self.db_timeout):
-            while self._tasks:  # transactions under way end before the withdrawal
-                await asyncio.wait(set(self._tasks))
-            if withdraw and started:
-                with contextlib.suppress(Exception):  # else they go stale; leases expire
-                    await self._run(partial(self._cycle, withdraw=withdraw))
-            while self._tasks:  # and before their pool closes
-                await asyncio.wait(set(self._tasks))
+        # Releases the poller had not sent, or whose round it was stopped in (a release is
+        # idempotent: sent again, it changes nothing if that round committed).
+        releases, self._releases = self._releases, {}
+        error: BaseException | None = ConcurrencyLimiterError("the limiter was closed")
+        try:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(3 * self.db_timeout):
+                while self._tasks:  # transactions under way end before the withdrawal
+                    await asyncio.wait(set(self._tasks))
+                if (withdraw or releases) and started:
+                    try:  # else the entries go stale, and the leases expire
+                        await self._run(
+                            partial(self._cycle, withdraw=withdraw, release=list(releases))
+                        )
+                        error = None
+                    except Exception as exc:
+                        error = exc
+                while self._tasks:  # and before their pool closes
+                    await asyncio.wait(set(self._tasks))
+        finally:
+            for done in releases.values():
+                done.error = error
+                done.event.set()
         if self._owns_pool:
             with anyio.CancelScope(shield=True):
                 await self._pool.close()
@@ -664,6 +702,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         # A new identity for the next start: anything of this one left behind is a dead
         # process's, passed over at once.
         self._owner = str(uuid.uuid4())
+        self._alive_at = -math.inf
 
     def slot(
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
@@ -913,8 +952,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
     async def release(self, lease: SupportsLease) -> None:
         """Give a slot back and grant what it frees to the waiters. Idempotent.
 
-        Works whatever limits are stored now: a lease taken under limits that another
-        process replaced is released all the same.
+        Returns once the poller's round that carries it has committed (releases made
+        together share one transaction). Works whatever limits are stored now: a lease
+        taken under limits that another process replaced is released all the same.
         """
         if not self._started:
             await self.start()
@@ -922,10 +962,17 @@ class PostgresLimiter(BuiltinLimiter[W]):
         if not _is_uuid(lease.lease_id):
             await checkpoint()
             return
-        # The transaction is under way before anything awaits (unless one storing the
-        # provider's pushback is under way): aclose() waits for it.
-        cycle = await self._run_cycle(release=lease.lease_id)
-        self._deliver(cycle.granted)
+        # The poller's next round sends it, with the other releases, requests and
+        # withdrawals of this process (one transaction for them all), and hands what it
+        # frees to the waiters of every process. aclose() sends it if the poller has not.
+        lease_id = lease.lease_id
+        done = self._releases.get(lease_id) or self._sending.get(lease_id)
+        if done is None:
+            done = self._releases[lease_id] = _Release()
+        self._wake_poller()
+        await done.event.wait()
+        if done.error is not None:
+            raise done.error
 
     # -- the poller: one per limiter per process ------------------------------------------
 
@@ -941,21 +988,22 @@ class PostgresLimiter(BuiltinLimiter[W]):
             self._kick.set()
 
     async def _poll_loop(self) -> None:
-        # The one task that talks to the database for this process's waiting requests (they
-        # only wait for its answers, so their deadlines and cancellations hold whatever the
-        # database does). A full allocation cycle runs when requests are to be enqueued (in
-        # arrival order, as one batch) or withdrawn, every poll_interval (it also sweeps
-        # dead processes' leases and entries, and says that this process is alive), and
-        # when time alone can grant something (a bucket refills, a pause ends: each cycle
-        # computes when); in between, a notification that another process granted us a
-        # slot triggers a lock-free read.
+        # The one task that talks to the database for this process's requests and releases
+        # (they only wait for its answers, so their deadlines and cancellations hold
+        # whatever the database does). A full allocation cycle runs when requests are to be
+        # enqueued (in arrival order, as one batch), withdrawn or released (all that arrived
+        # since the last round go in one transaction: a group commit of its tasks), every
+        # poll_interval (it also sweeps dead processes' leases and entries, and says that
+        # this process is alive), and when time alone can grant something (a bucket
+        # refills, a pause ends: each cycle computes when); in between, a notification that
+        # another process granted us a slot triggers a lock-free read.
         interval = min(self.poll_interval, self._queue_entry_ttl / 3)
         next_cycle = anyio.current_time()
         self._kick = anyio.Event()
         self._rounds = anyio.Event()
         try:
-            while self._waiters or self._abandoned:
-                if not self._pending and not self._abandoned:
+            while self._waiters or self._abandoned or self._releases:
+                if not self._pending and not self._abandoned and not self._releases:
                     due = min(next_cycle, self._wake_at)
                     with anyio.move_on_after(max(due - anyio.current_time(), 0)):
                         await self._kick.wait()
@@ -964,13 +1012,16 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 batch = list(self._pending.values())
                 self._pending.clear()
                 withdraw = self._withdrawals()
+                # Releases that arrive from now on go in the next round.
+                releases = self._sending = self._releases
+                self._releases = {}
                 # Entries enqueued by earlier rounds: committed before this round began.
                 asked = list(self._waiters.keys() - {waiter.entry_id for waiter in batch})
                 try:
                     due = min(next_cycle, self._wake_at)
-                    if batch or withdraw or anyio.current_time() >= due:
+                    if batch or withdraw or releases or anyio.current_time() >= due:
                         next_cycle = anyio.current_time() + interval
-                        await self._poll_cycle(batch, withdraw, asked)
+                        await self._poll_cycle(batch, withdraw, asked, releases)
                     else:
                         granted = await self._run(partial(self._fetch, asked=asked), read=True)
                         self._deliver(granted)
@@ -982,8 +1033,20 @@ class PostgresLimiter(BuiltinLimiter[W]):
                         if waiter is not None:
                             waiter.error = exc
                             waiter.event.set()
+                    for done in releases.values():
+                        done.error = exc
                     if withdraw:
                         await anyio.sleep(interval)  # to try them again, not in a tight loop
+                except BaseException:
+                    # Stopped by aclose(): whether this round committed is not known, so its
+                    # releases go back for aclose() to send again.
+                    self._releases.update(releases)
+                    releases = {}
+                    raise
+                finally:
+                    self._sending = {}
+                    for done in releases.values():
+                        done.event.set()
                 rounds, self._rounds = self._rounds, anyio.Event()
                 rounds.set()
         finally:
@@ -1002,17 +1065,33 @@ class PostgresLimiter(BuiltinLimiter[W]):
         return list(self._abandoned)
 
     async def _poll_cycle(
-        self, batch: list[_Waiter], withdraw: list[str], asked: list[str]
+        self,
+        batch: list[_Waiter],
+        withdraw: list[str],
+        asked: list[str],
+        releases: dict[str, _Release],
     ) -> None:
-        beat = anyio.current_time() - self._beat_at >= self._queue_entry_ttl / 3
+        began = anyio.current_time()
+        beat = began - self._beat_at >= self._queue_entry_ttl / 3
+        # Once per poll interval is enough (its entries stay grantable for five), not at
+        # every round: a busy process runs many rounds per interval.
+        alive = began - self._alive_at >= min(self.poll_interval, self._queue_entry_ttl / 3)
         cycle = await self._run_cycle(
             enqueue=batch,
             withdraw=withdraw,
+            release=list(releases),
             asked=asked,
             heartbeat=beat,
-            alive=True,
+            alive=alive,
             retry=not batch,
         )
+        if alive or batch:
+            self._alive_at = began
+        # Committed: the releases are done, even when the limits turn out to be replaced
+        # (a lease is released whatever limits are stored now).
+        for done in releases.values():
+            done.event.set()
+        releases.clear()
         if beat:
             self._beat_at = anyio.current_time()
         for entry_id in withdraw:
@@ -1392,7 +1471,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         *,
         enqueue: Sequence[_Waiter] = (),
         withdraw: Sequence[str] = (),
-        release: str | None = None,
+        release: Sequence[str] = (),
         asked: list[str] | None = None,
         heartbeat: bool = False,
         alive: bool = False,
@@ -1438,7 +1517,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             {
                 "name": name,
                 "owner": self._owner,
-                "release": release,
+                "release": list(release),
                 "withdraw": list(withdraw),
                 "beat": heartbeat,
                 "asked": asked or [],
@@ -1498,7 +1577,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             prepare=False,
         )
         locked_row = await locked.fetchone()
-        if locked_row is not None and not locked_row[0] and (release is not None or withdraw):
+        if locked_row is not None and not locked_row[0] and (release or withdraw):
             # Another process stored other limits: allocating with ours would break theirs,
             # but the lease released and the entries withdrawn above go all the same.
             try:
@@ -1561,15 +1640,17 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 pace.bank.give(item.workload, "tokens", item.units)
             else:
                 pace.bank.observe(item.kind, item.remaining, now)
-        released = swept_row[-1]  # [epoch, throttled] of the lease released here
-        if released is not None and not released[1]:
+        # [epoch, throttled] of each lease released here, in the order given.
+        for epoch, throttled in swept_row[-1] or ():
+            if throttled:
+                continue
             # A success: the backoff starts again from a second; an adaptive limit climbs.
             if pace.backoffs:
                 pace.backoffs = 0
                 pace.dirty = True
             if pace.aimd is not None:
                 old_limit, credit = pace.aimd.limit, pace.aimd.credit
-                new_limit = pace.aimd.success(int(released[0]))
+                new_limit = pace.aimd.success(int(epoch))
                 pace.dirty = pace.dirty or pace.aimd.credit != credit
                 if new_limit is not None:
                     changes.append((old_limit, new_limit, "recovered"))
@@ -1935,8 +2016,10 @@ class _Queries:
     )
 
     def __init__(self, schema: str) -> None:
-        def q(text: str) -> sql.Composed:
-            return sql.SQL(text).format(s=sql.Identifier(schema))
+        # Rendered to bytes once: psycopg then converts each statement's placeholders once
+        # per process (its cache is keyed by the query's bytes), not at every execution.
+        def q(text: str) -> bytes:
+            return sql.SQL(text).format(s=sql.Identifier(schema)).as_bytes(None)
 
         self.insert_limiter = q(
             "INSERT INTO {s}.limiters (name, settings) VALUES (%s, %s::jsonb) "
@@ -2010,7 +2093,7 @@ class _Queries:
             WITH gone AS (
                 DELETE FROM {s}.leases
                 WHERE limiter = %(name)s
-                  AND (expires_at <= clock_timestamp() OR lease_id = %(release)s::uuid
+                  AND (expires_at <= clock_timestamp() OR lease_id = ANY(%(release)s::uuid[])
                        OR (entry_id = ANY(%(withdraw)s::uuid[]) AND owner = %(owner)s::uuid))
                 RETURNING lease_id, epoch, throttled
             ), stale AS (
@@ -2032,8 +2115,9 @@ class _Queries:
             )
             SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM stale),
                    (SELECT count(*) FROM beat), (SELECT count(*) FROM dead),
-                   (SELECT json_build_array(epoch, throttled) FROM gone
-                    WHERE lease_id = %(release)s::uuid)
+                   (SELECT json_agg(json_build_array(epoch, throttled)
+                                    ORDER BY array_position(%(release)s::uuid[], lease_id))
+                    FROM gone WHERE lease_id = ANY(%(release)s::uuid[]))
             """
         )
         self.alive = q(

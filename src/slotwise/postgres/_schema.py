@@ -13,8 +13,8 @@ __all__ = ("NEWEST_COLUMN", "NEWEST_TABLE", "channel_name", "schema_ddl", "schem
 #             process's entries pass it and are swept. ``deadline`` is on the database clock.
 #   leases    granted slots, valid until ``expires_at`` (database clock) unless renewed.
 #   owners    one row per waiting process (limiter object): its queue entries are granted
-#             only while ``alive_until`` is ahead, which its poller pushes forward at every
-#             cycle, so a process that died stops receiving slots at once.
+#             only while ``alive_until`` is ahead, which its poller pushes forward once per
+#             poll interval, so a process that died stops receiving slots at once.
 #
 # The rates and pushback state came later: they are added by ``ALTER TABLE ... ADD COLUMN IF
 # NOT EXISTS``, each with a constant default (a catalog change only, no table rewrite), so

@@ -1,0 +1,97 @@
+"""PostgresLimiter's rounds: one transaction per process per round carries the releases,
+requests and withdrawals of all its tasks, and grants as many waiters as fit.
+
+The transactions are counted by wrapping the limiter's one way into the database
+(``_transaction``). asyncio only (see conftest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import pytest
+from anyio.lowlevel import checkpoint
+
+from slotwise import AcquireRequest
+from slotwise.postgres import PostgresLimiter
+
+pytestmark = pytest.mark.anyio
+
+
+def request() -> AcquireRequest:
+    return AcquireRequest(workload="default", request_id="test")
+
+
+async def queued(limiter: PostgresLimiter[Any], count: int) -> bool:
+    return (await limiter.stats()).queued >= count
+
+
+@pytest.fixture
+def make(tagged_dsn: str, schema: str, limiters: list[Any]) -> Callable[..., Any]:
+    def make(**kwargs: Any) -> PostgresLimiter[Any]:
+        kwargs.setdefault("name", "rounds")
+        kwargs.setdefault("schema", schema)
+        kwargs.setdefault("poll_interval", 0.05)
+        limiter: PostgresLimiter[Any] = PostgresLimiter(tagged_dsn, **kwargs)
+        limiters.append(limiter)
+        return limiter
+
+    return make
+
+
+@pytest.fixture
+def transactions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The transactions every PostgresLimiter runs from now on, by the body's name."""
+    ran: list[str] = []
+    original = PostgresLimiter._transaction
+
+    async def counted(self: Any, body: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        ran.append(getattr(body, "func", body).__name__)
+        return await original(self, body, *args)
+
+    monkeypatch.setattr(PostgresLimiter, "_transaction", counted)
+    return ran
+
+
+async def test_releases_of_many_tasks_go_in_one_transaction_that_grants_the_waiters(
+    make: Any, transactions: list[str], eventually: Any
+) -> None:
+    # No timed poll during the test: only the releases make a round.
+    limiter = make(max_concurrent=8, poll_interval=30, queue_entry_ttl=120)
+    held = [await limiter.acquire(request()) for _ in range(8)]
+    got: list[Any] = []
+
+    async def wait() -> None:
+        got.append(await limiter.acquire(request()))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(5):
+            tg.start_soon(wait)
+        await eventually(lambda: queued(limiter, 5))
+        transactions.clear()
+        # Eight tasks release at once: one round sends the eight releases and grants the
+        # five waiters of this process in the same transaction.
+        async with anyio.create_task_group() as releasing:
+            for lease in held:
+                releasing.start_soon(limiter.release, lease)
+    assert len(got) == 5
+    assert transactions == ["_cycle"]
+    stats = await limiter.stats()
+    assert (stats.active, stats.queued) == (5, 0)
+    for lease in got:
+        await limiter.release(lease)
+
+
+async def test_a_release_under_way_when_the_limiter_closes_is_still_made(make: Any) -> None:
+    limiter = make(max_concurrent=2)
+    other = make(max_concurrent=2)
+    held = [await limiter.acquire(request()) for _ in range(2)]
+    async with anyio.create_task_group() as tg:
+        for lease in held:
+            tg.start_soon(limiter.release, lease)
+        await checkpoint()  # the releases are in the poller's round, or about to be
+        await limiter.aclose()
+    stats = await other.stats()
+    assert (stats.active, stats.queued) == (0, 0)
