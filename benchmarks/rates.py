@@ -243,6 +243,7 @@ class Outcome:
     retry_after: float | None = None
     tokens: int = 0
     remaining: dict[str, int] = attrs.Factory(dict)
+    limits: dict[str, int] = attrs.Factory(dict)
 
 
 def retry_after(headers: httpx.Headers) -> float | None:
@@ -282,13 +283,26 @@ class Driver:
             for kind in ("requests", "tokens")
             if f"x-ratelimit-remaining-{kind}" in response.headers
         }
+        limits = {
+            kind: int(response.headers[f"x-ratelimit-limit-{kind}"])
+            for kind in ("requests", "tokens")
+            if f"x-ratelimit-limit-{kind}" in response.headers
+        }
         if response.status_code == 429:
             self.refused += 1
-            return Outcome(ok=False, retry_after=retry_after(response.headers), remaining=remaining)
+            return Outcome(
+                ok=False,
+                retry_after=retry_after(response.headers),
+                remaining=remaining,
+                limits=limits,
+            )
         response.raise_for_status()
         self.latencies.append(anyio.current_time() - started)
         return Outcome(
-            ok=True, tokens=response.json()["usage"]["total_tokens"], remaining=remaining
+            ok=True,
+            tokens=response.json()["usage"]["total_tokens"],
+            remaining=remaining,
+            limits=limits,
         )
 
 
@@ -364,6 +378,8 @@ def slotwise_sender(limiter: Any) -> Send:
             async with limiter.slot(tokens=request.estimate) as slot:
                 outcome = await driver.attempt(request, started)
                 slot.used_tokens(outcome.tokens)
+                if outcome.limits:
+                    slot.provider_limits(**outcome.limits)
                 if outcome.remaining:
                     slot.provider_remaining(**outcome.remaining)
                 if outcome.ok:

@@ -206,7 +206,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             queued = {name: len(q) for name, q in state.queues.items()}
             state.bank.refill(now)
             buckets = {
-                key: BucketStats(level=b.level, capacity=b.rule.capacity, per=b.rule.per)
+                key: BucketStats(level=b.level, capacity=int(b.capacity), per=b.rule.per)
                 for key, b in state.bank.buckets.items()
             }
             effective = state.rules.max_concurrent
@@ -323,6 +323,15 @@ class MemoryLimiter(BuiltinLimiter[W]):
         headers)."""
         with self._lock:
             self._state.bank.observe(kind, remaining, self._clock())
+
+    def observe_limit(self, lease: SupportsLease, kind: str, limit: int) -> None:
+        """The provider says its limit of `kind` (requests or tokens) is `limit` a minute
+        (the `x-ratelimit-limit-*` headers): the limiter's bucket of that kind holds and
+        refills no more than that, nor than its configured rate, until the provider says
+        otherwise or an hour passes without it saying (`slotwise._core.rates.Bank.learn`).
+        `Slot.provider_limits()` calls it (`slotwise.httpx` reads the headers)."""
+        with self._lock:
+            self._state.bank.learn(kind, limit, self._clock())
 
     def charge_tokens(self, lease: SupportsLease, tokens: int) -> None:
         """Charge `tokens` more to the token buckets of `lease`'s workload and of the limiter

@@ -608,7 +608,8 @@ def carry_over(old: Bank, rules: Rules, now: float) -> Bank:
         previous = old.buckets.get(key)
         if previous is not None:
             previous.refill(now)
-            bucket.level = min(previous.level, float(bucket.rule.capacity))
+            bucket.learned, bucket.learned_until = previous.learned, previous.learned_until
+            bucket.level = min(previous.level, bucket.capacity)
             bucket.updated = now
     return bank
 

@@ -149,7 +149,13 @@ class _Observed:
     remaining: int
 
 
-_Learned = _Pushback | _Charge | _Observed
+@attrs.frozen(kw_only=True)
+class _Limit:
+    kind: str
+    limit: int
+
+
+_Learned = _Pushback | _Charge | _Observed | _Limit
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -175,10 +181,12 @@ class _Pace:
     ) -> _Pace:
         # Buckets not stored yet are full, as if they had been refilling forever.
         bank = Bank(settings.rules.buckets, -math.inf)
-        for key, (level, updated) in (buckets or {}).items():
+        for key, (level, updated, *learned) in (buckets or {}).items():
             bucket = bank.buckets.get(key)
             if bucket is not None:
-                bucket.level = min(float(level), float(bucket.rule.capacity))
+                if learned:  # a limit learned from the provider, and until when it stands
+                    bucket.learned, bucket.learned_until = map(float, learned)
+                bucket.level = min(float(level), bucket.capacity)
                 bucket.updated = float(updated)
         aimd = None
         if settings.adaptive is not None:
@@ -213,6 +221,11 @@ class _Pace:
             "buckets": json.dumps(
                 {
                     key: [bucket.level, bucket.updated]
+                    + (
+                        [bucket.learned, bucket.learned_until]
+                        if math.isfinite(bucket.learned)
+                        else []
+                    )
                     for key, bucket in self.bank.buckets.items()
                     if math.isfinite(bucket.updated)
                 }
@@ -703,7 +716,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             effective=pace.limit(settings),
             paused_until=pace.paused_until if pace.paused_until > now else None,
             buckets={
-                key: BucketStats(level=b.level, capacity=b.rule.capacity, per=b.rule.per)
+                key: BucketStats(level=b.level, capacity=int(b.capacity), per=b.rule.per)
                 for key, b in pace.bank.buckets.items()
             },
         )
@@ -793,6 +806,16 @@ class PostgresLimiter(BuiltinLimiter[W]):
         within `poll_interval`. `Slot.provider_remaining()` calls it."""
         if kind in self._settings.rules.buckets:
             self._push(_Observed(kind=kind, remaining=remaining), False)
+
+    def observe_limit(self, lease: SupportsLease, kind: str, limit: int) -> None:
+        """The provider says its limit of `kind` (requests or tokens) is `limit` a minute:
+        the limiter's bucket of that kind, shared by every process, holds and refills no more
+        than that, nor than its configured rate, until the provider says otherwise or an hour
+        passes without it saying (stored with the buckets, on the database clock). Stored by
+        this process's next transaction, within `poll_interval`. `Slot.provider_limits()`
+        calls it."""
+        if kind in self._settings.rules.buckets:
+            self._push(_Limit(kind=kind, limit=limit), False)
 
     def charge_tokens(self, lease: SupportsLease, tokens: int) -> None:
         """Charge `tokens` more to the token buckets of `lease`'s workload and of the limiter
@@ -1559,6 +1582,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
             elif isinstance(item, _Charge):
                 pace.bank.refill(now)
                 pace.bank.give(item.workload, "tokens", item.units)
+            elif isinstance(item, _Limit):
+                pace.bank.learn(item.kind, item.limit, now)
             else:
                 pace.bank.observe(item.kind, item.remaining, now)
         released = swept_row[-1]  # [epoch, throttled] of the lease released here
