@@ -183,7 +183,7 @@ def limiter_settings(key: str, factors: tuple[int, int] = (2, 2)) -> dict[str, A
         return {
             "max_concurrent": slots * CONCURRENCY,
             "rate": Rate(requests=rates * RPM, tokens=rates * TPM, per=60.0),
-            "adaptive": Adaptive(min_concurrent=2),
+            "adaptive": Adaptive(min_concurrent=2, slow_start=True),
         }
     return {"max_concurrent": CONCURRENCY, "rate": Rate(requests=RPM, tokens=TPM, per=60.0)}
 
@@ -523,13 +523,14 @@ class Process:
 
 
 class Provider(Process):
-    def __init__(self) -> None:
+    def __init__(self, limit_headers: bool = True) -> None:
         super().__init__(
             "-m",
             "benchmarks.fake_provider",
             f"--rpm={RPM}",
             f"--tpm={TPM}",
             f"--concurrency={CONCURRENCY}",
+            "--limit-headers" if limit_headers else "--no-limit-headers",
         )
         self.port = int(self.receive()["port"])
 
@@ -745,6 +746,13 @@ def main(argv: list[str] | None = None) -> int:
         "then rates (default 2,2)",
     )
     parser.add_argument(
+        "--limit-headers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="whether the provider states its limits in x-ratelimit-limit-* headers, as "
+        "OpenAI and Anthropic do (default: yes)",
+    )
+    parser.add_argument(
         "--timeline", metavar="PATH", help="write the provider's timeline of each variant (JSON)"
     )
     parser.add_argument("--tiny", action="store_true", help="2 s, 2 x 10 tasks: a smoke run")
@@ -772,13 +780,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"command: python -m benchmarks.rates {' '.join(argv or sys.argv[1:])}".rstrip())
     print(
-        f"provider: {RPM} RPM, {TPM:,} TPM, {CONCURRENCY} in flight (buckets full at the start); "
+        f"provider: {RPM} RPM, {TPM:,} TPM, {CONCURRENCY} in flight (buckets full at the start; "
+        f"limits {'stated' if args.limit_headers else 'NOT stated'} in x-ratelimit-limit-*); "
         f"mix: {tokens:,.0f} tokens and {duration:.2f} s per request on average, so it allows "
         f"{per_limit[binding]:.2f} requests/s over {args.duration:g} s ({binding} bind); "
         f"{args.processes} processes x {args.tasks} tasks, each retrying until success"
     )
     keys, skipped = choose(args.variant, args.dsn)
-    provider = Provider()
+    provider = Provider(limit_headers=args.limit_headers)
     workers: list[Process] = []
     rows: list[Figures] = []
     timelines: dict[str, Any] = {}
@@ -790,6 +799,8 @@ def main(argv: list[str] | None = None) -> int:
                 slots, rates = args.pushback
                 label = variant.label.replace("2x limits", f"{slots}x slots, {rates}x rates")
                 variant = attrs.evolve(variant, label=label)
+            if not args.limit_headers:
+                variant = attrs.evolve(variant, label=f"{variant.label}, no limit headers")
             processes = 1 if variant.one_process else args.processes
             tasks = args.tasks * args.processes // processes
             shape = f"{processes} x {tasks}"

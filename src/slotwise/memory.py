@@ -157,6 +157,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             max_queued=self._settings.max_queued,
             lease_ttl=self._settings.lease_ttl,
             adaptive=_aimd(self._settings),
+            slow_start=_slow_start(self._settings),
         )
         # Every read and write of the state, from any thread, holds this lock; it is never
         # held across an await, and waiters are woken after it is released.
@@ -623,6 +624,10 @@ class MemoryLimiter(BuiltinLimiter[W]):
 def _aimd(settings: Settings) -> tuple[int, float] | None:
     adaptive = settings.adaptive
     return None if adaptive is None else (adaptive.min_concurrent, adaptive.backoff)
+
+
+def _slow_start(settings: Settings) -> bool:
+    return settings.adaptive is not None and settings.adaptive.slow_start
 
 
 class _Watchers:

@@ -129,6 +129,7 @@ class LimiterState:
         max_queued: int | None,
         lease_ttl: float,
         adaptive: tuple[int, float] | None = None,
+        slow_start: bool = False,
     ) -> None:
         self.rules = rules
         self.max_queued = max_queued
@@ -159,8 +160,10 @@ class LimiterState:
                 floor=floor,
                 ceiling=rules.max_concurrent,
                 backoff=backoff,
-                limit=rules.max_concurrent,
+                limit=floor if slow_start else rules.max_concurrent,
+                slow_start=slow_start,
             )
+            self._set_limit(self.aimd.limit)
 
     @property
     def timed(self) -> bool:

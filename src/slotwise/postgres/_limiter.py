@@ -192,13 +192,17 @@ class _Pace:
         if settings.adaptive is not None:
             floor, ceiling = settings.adaptive.min_concurrent, settings.max_concurrent
             stored = adaptive or {}
+            # A limiter with no adaptive state stored yet starts at the floor in slow start.
+            slow_start = bool(stored.get("slow_start", not stored and settings.adaptive.slow_start))
+            start = floor if slow_start else ceiling
             aimd = Aimd(
                 floor=floor,
                 ceiling=ceiling,
                 backoff=settings.adaptive.backoff,
-                limit=min(max(int(stored.get("limit", ceiling)), floor), ceiling),
+                limit=min(max(int(stored.get("limit", start)), floor), ceiling),
                 epoch=int(stored.get("epoch", 0)),
                 credit=float(stored.get("credit", 0.0)),
+                slow_start=slow_start,
             )
         return cls(
             bank=bank,
@@ -235,7 +239,12 @@ class _Pace:
             "adaptive": None
             if self.aimd is None
             else json.dumps(
-                {"limit": self.aimd.limit, "epoch": self.aimd.epoch, "credit": self.aimd.credit}
+                {
+                    "limit": self.aimd.limit,
+                    "epoch": self.aimd.epoch,
+                    "credit": self.aimd.credit,
+                    "slow_start": self.aimd.slow_start,
+                }
             ),
         }
 
@@ -1903,7 +1912,13 @@ def _rate_json(rate: Rate) -> dict[str, Any]:
 
 
 def _adaptive_json(adaptive: Adaptive) -> dict[str, Any]:
-    return {"min_concurrent": adaptive.min_concurrent, "backoff": float(adaptive.backoff)}
+    stored: dict[str, Any] = {
+        "min_concurrent": adaptive.min_concurrent,
+        "backoff": float(adaptive.backoff),
+    }
+    if adaptive.slow_start:  # stored only when set: limits stored without it still match
+        stored["slow_start"] = True
+    return stored
 
 
 def _adaptive(settings: Settings) -> tuple[int, float] | None:
