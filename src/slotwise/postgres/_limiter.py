@@ -1604,7 +1604,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             if pace.aimd is not None:
                 old_limit, credit = pace.aimd.limit, pace.aimd.credit
                 new_limit = pace.aimd.success(int(released[0]))
-                pace.dirty = pace.dirty or pace.aimd.credit != credit
+                pace.dirty = pace.dirty or new_limit is not None or pace.aimd.credit != credit
                 if new_limit is not None:
                     changes.append((old_limit, new_limit, "recovered"))
 
