@@ -1,11 +1,12 @@
 """Rates, tokens and pushback against a fake provider: 429s, capacity used, latency.
 
     python -m benchmarks.rates [--duration 60] [--variant NAME ...] [--dsn CONNINFO] [--tiny]
-                               [--pushback SLOTS,RATES] [--timeline PATH]
+                               [--pushback SLOTS,RATES] [--no-limit-headers] [--timeline PATH]
 
 A fake provider (`benchmarks.fake_provider`, its own process) enforces 600 requests and
 100,000 tokens a minute (token buckets, full at the start) and 16 requests in flight, and
-answers 429 with ``retry-after`` past any of them. Four processes of 100 tasks each send it
+answers 429 with ``retry-after`` past any of them. Like OpenAI and Anthropic it states its
+limits on every answer (``x-ratelimit-limit-*``), unless ``--no-limit-headers``. Four processes of 100 tasks each send it
 chat completions for ``--duration`` seconds: every task loops, and retries each request until
 it succeeds. The mix is the same for every variant (seeded per task): prompts of 200 to 8,000
 tokens and ``max_tokens`` of 100 to 1,000, both log-uniform; the provider produces 30-100% of
@@ -29,10 +30,11 @@ Each variant is what a user would write, and differs only in what paces the atte
   holds ``limiter.slot(tokens=estimate)`` (prompt plus ``max_tokens``) and, as
   `slotwise.httpx` would, calls ``slot.used_tokens(usage)`` on success,
   ``slot.throttled(retry_after)`` on a 429 (after ``used_tokens(0)``: a refusal costs no
-  tokens) and ``slot.provider_remaining(...)`` with the ``x-ratelimit-remaining-*`` headers.
+  tokens), ``slot.provider_limits(...)`` with the ``x-ratelimit-limit-*`` headers and
+  ``slot.provider_remaining(...)`` with the ``x-ratelimit-remaining-*`` headers.
 - ``pushback-postgres``: the same, configured at twice the provider's limits (32 slots, 1,200
-  RPM, 200,000 TPM) with ``adaptive=Adaptive(min_concurrent=2)``; ``--pushback 2,1`` sets
-  only the concurrency too high, ``--pushback 1,2`` only the rates.
+  RPM, 200,000 TPM) with ``adaptive=Adaptive(min_concurrent=2, slow_start=True)``;
+  ``--pushback 2,1`` sets only the concurrency too high, ``--pushback 1,2`` only the rates.
 - ``slotwise-memory`` and ``pushback-memory``: the same with a `MemoryLimiter` in one process
   of 400 tasks, which stands in when the PostgreSQL variants cannot run.
 
