@@ -250,6 +250,19 @@ async def test_a_pushback_ends_slow_start() -> None:
     assert limiter.stats_nowait().effective_max_concurrent == 6
 
 
+async def test_set_limits_does_not_end_a_slow_start() -> None:
+    limiter = MemoryLimiter(
+        name="slow", max_concurrent=16, adaptive=Adaptive(min_concurrent=2, slow_start=True)
+    )
+    async with limiter.slot():
+        pass
+    await limiter.set_limits(max_concurrent=12)
+    assert limiter.stats_nowait().effective_max_concurrent == 3
+    async with limiter.slot():
+        pass
+    assert limiter.stats_nowait().effective_max_concurrent == 4  # still one per success
+
+
 def test_slow_start_must_be_a_boolean() -> None:
     with pytest.raises(ConcurrencyConfigError, match=r"adaptive\.slow_start must be True or False"):
         MemoryLimiter(

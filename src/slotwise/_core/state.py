@@ -598,7 +598,12 @@ def readapt(
         limit = min(max(aimd.limit, floor), rules.max_concurrent)
     epoch = 0 if aimd is None else aimd.epoch
     aimd = Aimd(
-        floor=floor, ceiling=rules.max_concurrent, backoff=backoff, limit=limit, epoch=epoch
+        floor=floor,
+        ceiling=rules.max_concurrent,
+        backoff=backoff,
+        limit=limit,
+        epoch=epoch,
+        slow_start=aimd is not None and aimd.slow_start,  # a slow start goes on
     )
     return aimd, attrs.evolve(rules, max_concurrent=limit)
 
