@@ -3,6 +3,7 @@ limit, each enforced as the providers document them, answering 429 with ``retry-
 any of them.
 
     python -m benchmarks.fake_provider [--rpm 600] [--tpm 100000] [--concurrency 16]
+                                       [--no-limit-headers]
 
 It prints ``{"port": N}`` on its first line, serves on 127.0.0.1:N until its standard input
 closes, and keeps to the standard library so that its own cost stays small and fixed.
@@ -21,7 +22,9 @@ closes, and keeps to the standard library so that its own cost stays small and f
   (seconds, rounded up) and ``retry-after-ms``, saying when every limit it met will have room
   for it (the first request in flight to end, the buckets' refill).
 - Every answer carries OpenAI's ``x-ratelimit-limit-*``, ``-remaining-*`` and ``-reset-*``
-  headers for requests and tokens.
+  headers for requests and tokens, as OpenAI's and Anthropic's do; with
+  ``--no-limit-headers`` it leaves the ``x-ratelimit-limit-*`` ones out (the limits are
+  enforced all the same), as a provider that does not state its limits.
 
 ``GET /stats`` returns what it admitted and refused since the last reset: requests, tokens
 used (prompt plus output), busy time (the sum of the admitted requests' durations, to compare
@@ -75,8 +78,11 @@ def prompt_tokens(body: dict[str, Any]) -> int:
 
 
 class Provider:
-    def __init__(self, *, rpm: int, tpm: int, concurrency: int, seed: int = 0) -> None:
+    def __init__(
+        self, *, rpm: int, tpm: int, concurrency: int, seed: int = 0, limit_headers: bool = True
+    ) -> None:
         self.rpm, self.tpm, self.concurrency = rpm, tpm, concurrency
+        self.limit_headers = limit_headers
         self.rng = random.Random(seed)
         self.sampler: asyncio.Task[None] | None = None
         self.reset()
@@ -143,7 +149,8 @@ class Provider:
     def _rate_headers(self) -> dict[str, str]:
         headers = {}
         for kind, bucket in (("requests", self.requests), ("tokens", self.tokens)):
-            headers[f"x-ratelimit-limit-{kind}"] = str(int(bucket.capacity))
+            if self.limit_headers:
+                headers[f"x-ratelimit-limit-{kind}"] = str(int(bucket.capacity))
             headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(bucket.level)))
             headers[f"x-ratelimit-reset-{kind}"] = f"{bucket.wait(bucket.capacity):.3f}s"
         return headers
@@ -271,8 +278,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--limit-headers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="state the limits in x-ratelimit-limit-* headers (default: yes)",
+    )
     args = parser.parse_args(argv)
-    provider = Provider(rpm=args.rpm, tpm=args.tpm, concurrency=args.concurrency, seed=args.seed)
+    provider = Provider(
+        rpm=args.rpm,
+        tpm=args.tpm,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        limit_headers=args.limit_headers,
+    )
     asyncio.run(serve(provider, args.port))
 
 

@@ -1,11 +1,12 @@
 """Rates, tokens and pushback against a fake provider: 429s, capacity used, latency.
 
     python -m benchmarks.rates [--duration 60] [--variant NAME ...] [--dsn CONNINFO] [--tiny]
-                               [--pushback SLOTS,RATES] [--timeline PATH]
+                               [--pushback SLOTS,RATES] [--no-limit-headers] [--timeline PATH]
 
 A fake provider (`benchmarks.fake_provider`, its own process) enforces 600 requests and
 100,000 tokens a minute (token buckets, full at the start) and 16 requests in flight, and
-answers 429 with ``retry-after`` past any of them. Four processes of 100 tasks each send it
+answers 429 with ``retry-after`` past any of them. Like OpenAI and Anthropic it states its
+limits on every answer (``x-ratelimit-limit-*``), unless ``--no-limit-headers``. Four processes of 100 tasks each send it
 chat completions for ``--duration`` seconds: every task loops, and retries each request until
 it succeeds. The mix is the same for every variant (seeded per task): prompts of 200 to 8,000
 tokens and ``max_tokens`` of 100 to 1,000, both log-uniform; the provider produces 30-100% of
@@ -29,10 +30,11 @@ Each variant is what a user would write, and differs only in what paces the atte
   holds ``limiter.slot(tokens=estimate)`` (prompt plus ``max_tokens``) and, as
   `slotwise.httpx` would, calls ``slot.used_tokens(usage)`` on success,
   ``slot.throttled(retry_after)`` on a 429 (after ``used_tokens(0)``: a refusal costs no
-  tokens) and ``slot.provider_remaining(...)`` with the ``x-ratelimit-remaining-*`` headers.
+  tokens), ``slot.provider_limits(...)`` with the ``x-ratelimit-limit-*`` headers and
+  ``slot.provider_remaining(...)`` with the ``x-ratelimit-remaining-*`` headers.
 - ``pushback-postgres``: the same, configured at twice the provider's limits (32 slots, 1,200
-  RPM, 200,000 TPM) with ``adaptive=Adaptive(min_concurrent=2)``; ``--pushback 2,1`` sets
-  only the concurrency too high, ``--pushback 1,2`` only the rates.
+  RPM, 200,000 TPM) with ``adaptive=Adaptive(min_concurrent=2, slow_start=True)``;
+  ``--pushback 2,1`` sets only the concurrency too high, ``--pushback 1,2`` only the rates.
 - ``slotwise-memory`` and ``pushback-memory``: the same with a `MemoryLimiter` in one process
   of 400 tasks, which stands in when the PostgreSQL variants cannot run.
 
@@ -183,7 +185,7 @@ def limiter_settings(key: str, factors: tuple[int, int] = (2, 2)) -> dict[str, A
         return {
             "max_concurrent": slots * CONCURRENCY,
             "rate": Rate(requests=rates * RPM, tokens=rates * TPM, per=60.0),
-            "adaptive": Adaptive(min_concurrent=2),
+            "adaptive": Adaptive(min_concurrent=2, slow_start=True),
         }
     return {"max_concurrent": CONCURRENCY, "rate": Rate(requests=RPM, tokens=TPM, per=60.0)}
 
@@ -243,6 +245,7 @@ class Outcome:
     retry_after: float | None = None
     tokens: int = 0
     remaining: dict[str, int] = attrs.Factory(dict)
+    limits: dict[str, int] = attrs.Factory(dict)
 
 
 def retry_after(headers: httpx.Headers) -> float | None:
@@ -282,13 +285,26 @@ class Driver:
             for kind in ("requests", "tokens")
             if f"x-ratelimit-remaining-{kind}" in response.headers
         }
+        limits = {
+            kind: int(response.headers[f"x-ratelimit-limit-{kind}"])
+            for kind in ("requests", "tokens")
+            if f"x-ratelimit-limit-{kind}" in response.headers
+        }
         if response.status_code == 429:
             self.refused += 1
-            return Outcome(ok=False, retry_after=retry_after(response.headers), remaining=remaining)
+            return Outcome(
+                ok=False,
+                retry_after=retry_after(response.headers),
+                remaining=remaining,
+                limits=limits,
+            )
         response.raise_for_status()
         self.latencies.append(anyio.current_time() - started)
         return Outcome(
-            ok=True, tokens=response.json()["usage"]["total_tokens"], remaining=remaining
+            ok=True,
+            tokens=response.json()["usage"]["total_tokens"],
+            remaining=remaining,
+            limits=limits,
         )
 
 
@@ -364,6 +380,8 @@ def slotwise_sender(limiter: Any) -> Send:
             async with limiter.slot(tokens=request.estimate) as slot:
                 outcome = await driver.attempt(request, started)
                 slot.used_tokens(outcome.tokens)
+                if outcome.limits:
+                    slot.provider_limits(**outcome.limits)
                 if outcome.remaining:
                     slot.provider_remaining(**outcome.remaining)
                 if outcome.ok:
@@ -507,13 +525,14 @@ class Process:
 
 
 class Provider(Process):
-    def __init__(self) -> None:
+    def __init__(self, limit_headers: bool = True) -> None:
         super().__init__(
             "-m",
             "benchmarks.fake_provider",
             f"--rpm={RPM}",
             f"--tpm={TPM}",
             f"--concurrency={CONCURRENCY}",
+            "--limit-headers" if limit_headers else "--no-limit-headers",
         )
         self.port = int(self.receive()["port"])
 
@@ -729,6 +748,13 @@ def main(argv: list[str] | None = None) -> int:
         "then rates (default 2,2)",
     )
     parser.add_argument(
+        "--limit-headers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="whether the provider states its limits in x-ratelimit-limit-* headers, as "
+        "OpenAI and Anthropic do (default: yes)",
+    )
+    parser.add_argument(
         "--timeline", metavar="PATH", help="write the provider's timeline of each variant (JSON)"
     )
     parser.add_argument("--tiny", action="store_true", help="2 s, 2 x 10 tasks: a smoke run")
@@ -756,13 +782,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"command: python -m benchmarks.rates {' '.join(argv or sys.argv[1:])}".rstrip())
     print(
-        f"provider: {RPM} RPM, {TPM:,} TPM, {CONCURRENCY} in flight (buckets full at the start); "
+        f"provider: {RPM} RPM, {TPM:,} TPM, {CONCURRENCY} in flight (buckets full at the start; "
+        f"limits {'stated' if args.limit_headers else 'NOT stated'} in x-ratelimit-limit-*); "
         f"mix: {tokens:,.0f} tokens and {duration:.2f} s per request on average, so it allows "
         f"{per_limit[binding]:.2f} requests/s over {args.duration:g} s ({binding} bind); "
         f"{args.processes} processes x {args.tasks} tasks, each retrying until success"
     )
     keys, skipped = choose(args.variant, args.dsn)
-    provider = Provider()
+    provider = Provider(limit_headers=args.limit_headers)
     workers: list[Process] = []
     rows: list[Figures] = []
     timelines: dict[str, Any] = {}
@@ -774,6 +801,8 @@ def main(argv: list[str] | None = None) -> int:
                 slots, rates = args.pushback
                 label = variant.label.replace("2x limits", f"{slots}x slots, {rates}x rates")
                 variant = attrs.evolve(variant, label=label)
+            if not args.limit_headers:
+                variant = attrs.evolve(variant, label=f"{variant.label}, no limit headers")
             processes = 1 if variant.one_process else args.processes
             tasks = args.tasks * args.processes // processes
             shape = f"{processes} x {tasks}"

@@ -7,6 +7,7 @@ goal gets a verdict.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks.fake_provider import Provider
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = os.environ.get("SLOTWISE_REQUIRE_SERVICES") == "1"
@@ -87,3 +90,53 @@ def test_every_goal_gets_a_verdict(output: str) -> None:
     verdicts = [line for line in verdicts if line.startswith(("MET", "MISSED", "NOT RUN"))]
     targets = [re.sub(r"^(MET|MISSED|NOT RUN)\s+", "", line).split(":")[0] for line in verdicts]
     assert targets == [label for label in LABELS if label.startswith("slotwise")]
+
+
+def test_the_provider_states_its_limits_unless_told_not_to() -> None:
+    """The fake provider sends OpenAI's limit headers by default, as the real providers do,
+    and leaves them out with --no-limit-headers while enforcing the same limits."""
+
+    async def answer(provider: Provider) -> tuple[int, dict[str, str]]:
+        provider.reset()
+        status, headers, _ = await provider.complete(
+            {"messages": [{"content": "x" * 40}], "max_tokens": 100}
+        )
+        return status, headers
+
+    stating = asyncio.run(answer(Provider(rpm=60, tpm=1_000, concurrency=2)))
+    assert stating[0] == 200
+    assert stating[1]["x-ratelimit-limit-requests"] == "60"
+    assert stating[1]["x-ratelimit-limit-tokens"] == "1000"
+    silent = Provider(rpm=1, tpm=1_000, concurrency=2, limit_headers=False)
+    status, headers = asyncio.run(answer(silent))
+    assert status == 200
+    assert not any(name.startswith("x-ratelimit-limit-") for name in headers)
+    assert "x-ratelimit-remaining-tokens" in headers
+    status, headers, _ = asyncio.run(silent.complete({"messages": [], "max_tokens": 1}))
+    assert status == 429  # one request a minute: the second is refused all the same
+    assert not any(name.startswith("x-ratelimit-limit-") for name in headers)
+
+
+def test_without_limit_headers_the_run_says_so() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "error",
+            "-m",
+            "benchmarks.rates",
+            "--tiny",
+            "--no-limit-headers",
+            "--variant",
+            "pushback-memory",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "limits NOT stated in x-ratelimit-limit-*" in result.stdout
+    label = "slotwise MemoryLimiter, 2x limits + adaptive [1 process stand-in], no limit headers"
+    assert label in rows(result.stdout)

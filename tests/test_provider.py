@@ -450,6 +450,51 @@ def test_rate_headers(
         assert said.retry_after == pytest.approx(expected.retry_after, abs=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("given_headers", "requests_limit", "tokens_limit"),
+    [
+        # OpenAI: a minute's requests and tokens.
+        (
+            headers(x_ratelimit_limit_requests="600", x_ratelimit_limit_tokens="100000"),
+            600,
+            100_000,
+        ),
+        # Anthropic: the input and output limits together, as slotwise counts tokens.
+        (
+            headers(
+                anthropic_ratelimit_requests_limit="50",
+                anthropic_ratelimit_tokens_limit="8000",
+                anthropic_ratelimit_input_tokens_limit="40000",
+                anthropic_ratelimit_output_tokens_limit="8000",
+            ),
+            50,
+            48_000,
+        ),
+        # Only the combined limit, or only one of input and output: the combined one.
+        (headers(anthropic_ratelimit_tokens_limit="80000"), None, 80_000),
+        (
+            headers(
+                anthropic_ratelimit_tokens_limit="80000",
+                anthropic_ratelimit_output_tokens_limit="16000",
+            ),
+            None,
+            80_000,
+        ),
+        (headers(anthropic_ratelimit_input_tokens_limit="40000"), None, None),
+        # A limit of 0 says nothing (no provider allows nothing and answers).
+        (headers(x_ratelimit_limit_requests="0", x_ratelimit_limit_tokens="0"), None, None),
+        ([("X-RateLimit-Limit-Tokens", "2000")], None, 2_000),
+        ([], None, None),
+    ],
+)
+def test_limit_headers(
+    given_headers: list[tuple[str, str]], requests_limit: int | None, tokens_limit: int | None
+) -> None:
+    said = read_rate_headers(given_headers, NOW, 0)
+    assert (said.requests_limit, said.tokens_limit) == (requests_limit, tokens_limit)
+    assert said.retry_after is None  # a limit is no reason to wait
+
+
 MALFORMED = [
     "",
     " ",
@@ -482,12 +527,17 @@ MALFORMED = [
         "x-ratelimit-remaining-tokens",
         "anthropic-ratelimit-requests-remaining",
         "anthropic-ratelimit-output-tokens-remaining",
+        "x-ratelimit-limit-requests",
+        "x-ratelimit-limit-tokens",
+        "anthropic-ratelimit-tokens-limit",
     ],
 )
 def test_a_malformed_header_says_nothing(name: str, value: str) -> None:
     said = read_rate_headers([(name, value)], NOW, 100)
     assert said.requests is None
     assert said.tokens is None
+    assert said.requests_limit is None
+    assert said.tokens_limit is None
     assert said.retry_after is None  # even a reset, whose limit's count is unknown
 
 
@@ -505,6 +555,9 @@ def test_a_malformed_header_says_nothing(name: str, value: str) -> None:
                     "anthropic-ratelimit-requests-reset",
                     "anthropic-ratelimit-input-tokens-remaining",
                     "anthropic-ratelimit-output-tokens-reset",
+                    "x-ratelimit-limit-tokens",
+                    "anthropic-ratelimit-input-tokens-limit",
+                    "anthropic-ratelimit-output-tokens-limit",
                 ]
             ),
             st.text(max_size=40),
@@ -518,3 +571,5 @@ def test_no_header_makes_the_reader_raise(pairs: list[tuple[str, str]], needed: 
     assert said.requests is None or said.requests >= 0
     assert said.tokens is None or said.tokens >= 0
     assert said.retry_after is None or 0 <= said.retry_after <= MAX_WAIT
+    assert said.requests_limit is None or said.requests_limit > 0
+    assert said.tokens_limit is None or said.tokens_limit > 0

@@ -84,10 +84,16 @@ class Adaptive:
         min_concurrent: The lowest effective limit; it must cover the reservations (the
             shared capacity shrinks first).
         backoff: The factor applied on pushback, between 0 and 1.
+        slow_start: Start at `min_concurrent` rather than at `max_concurrent`, and climb by
+            one slot on every success (the limit doubles each round trip) until the first
+            pushback, then as above: for a `max_concurrent` that may be above what the
+            provider takes, so that no more than `min_concurrent` requests reach it before
+            it has answered any.
     """
 
     min_concurrent: int
     backoff: float = 0.5
+    slow_start: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -347,6 +353,10 @@ def build_settings(
         if not isinstance(backoff, int | float) or isinstance(backoff, bool) or not 0 < backoff < 1:
             raise ConcurrencyConfigError(
                 f"adaptive.backoff must be a number between 0 and 1, got {backoff!r}"
+            )
+        if not isinstance(adaptive.slow_start, bool):
+            raise ConcurrencyConfigError(
+                f"adaptive.slow_start must be True or False, got {adaptive.slow_start!r}"
             )
     return Settings(
         name=name,

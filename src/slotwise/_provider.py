@@ -325,11 +325,15 @@ class RateHeaders:
         tokens: Tokens left (the least of the token counts it gave), if it said.
         retry_after: Seconds to wait before the next request: the longest of the waits that
             apply (see `read_rate_headers`); None when none does.
+        requests_limit: The provider's requests a minute, if it said.
+        tokens_limit: The provider's tokens a minute, if it said (see `read_rate_headers`).
     """
 
     requests: int | None = None
     tokens: int | None = None
     retry_after: float | None = None
+    requests_limit: int | None = None
+    tokens_limit: int | None = None
 
 
 def read_rate_headers(
@@ -340,6 +344,12 @@ def read_rate_headers(
     Remaining: OpenAI's `x-ratelimit-remaining-requests` / `-tokens`; Anthropic's
     `anthropic-ratelimit-requests-remaining` and `-tokens-remaining`, `-input-tokens-remaining`,
     `-output-tokens-remaining` (the least of the token counts).
+
+    Limits (a minute): OpenAI's `x-ratelimit-limit-requests` / `-tokens`; Anthropic's
+    `anthropic-ratelimit-requests-limit`, and for tokens the sum of
+    `anthropic-ratelimit-input-tokens-limit` and `-output-tokens-limit` when it gives both
+    (slotwise counts input and output together; the sum never limits below either of the
+    provider's), else `anthropic-ratelimit-tokens-limit`. A limit of 0 says nothing.
 
     Wait: `retry-after` (seconds, or an HTTP date) and `retry-after-ms` always apply; a
     limit's reset (OpenAI's `x-ratelimit-reset-requests` / `-tokens`, durations such as
@@ -358,7 +368,11 @@ def read_rate_headers(
         values.setdefault(name.lower(), text)
     remaining: dict[str, int | None] = {}
     resets: dict[str, float | None] = {}
+    limits: dict[str, int] = {}
     for limit in _LIMITS:
+        for name in (f"x-ratelimit-limit-{limit}", f"anthropic-ratelimit-{limit}-limit"):
+            if (value := values.get(name)) is not None and (count := _remaining(value)):
+                limits[limit] = count
         if (value := values.get(f"x-ratelimit-remaining-{limit}")) is not None:
             remaining[limit] = _remaining(value)
         if (value := values.get(f"anthropic-ratelimit-{limit}-remaining")) is not None:
@@ -380,10 +394,15 @@ def read_rate_headers(
     token_counts = [
         count for limit, count in remaining.items() if limit != "requests" and count is not None
     ]
+    tokens_limit = limits.get("tokens")
+    if "input-tokens" in limits and "output-tokens" in limits:
+        tokens_limit = limits["input-tokens"] + limits["output-tokens"]
     return RateHeaders(
         requests=remaining.get("requests"),
         tokens=min(token_counts, default=None),
         retry_after=min(max(given), MAX_WAIT) if given else None,
+        requests_limit=limits.get("requests"),
+        tokens_limit=tokens_limit,
     )
 
 

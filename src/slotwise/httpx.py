@@ -31,8 +31,10 @@ or from the events of a stream that carry one). A 429, 529 or 503 pauses every n
 the longest wait its headers give (`retry-after`, `retry-after-ms`, OpenAI's
 `x-ratelimit-reset-*`, Anthropic's `anthropic-ratelimit-*-reset`), or a backoff. Every
 response's `x-ratelimit-remaining-*` and `anthropic-ratelimit-*-remaining` counts lower the
-rate buckets when the provider has less left than slotwise thinks. A malformed header, or a
-limiter that fails to record any of this, never fails the response.
+rate buckets when the provider has less left than slotwise thinks, and its
+`x-ratelimit-limit-*` and `anthropic-ratelimit-*-limit` limits cap the rates: a `Rate`
+configured above the provider's limit holds and refills no faster than the provider's. A
+malformed header, or a limiter that fails to record any of this, never fails the response.
 
 Both HTTP stacks are served: `httpx2` (what `anthropic` 2.x requires and `openai` 3.x
 prefers) and the legacy `httpx`. Neither is imported until it is used.
@@ -851,8 +853,8 @@ class _Attempt:
         raise NotImplementedError
 
     def learn(self, response: Any) -> None:
-        """Tell the limiter what the response says of the provider's limits: what is left
-        (lowering the rate buckets), and a refusal for its load (429, 529, 503), which
+        """Tell the limiter what the response says of the provider's limits: the limits
+        themselves and what is left (lowering the rate buckets), and a refusal for its load (429, 529, 503), which
         refunds the token estimate and pauses new grants for as long as the headers say (a
         backoff when they do not). Ready a meter for the usage in the body when the limiter
         counts tokens. Never raises: a failure here must not fail the response."""
@@ -876,6 +878,10 @@ class _Attempt:
             return
         if pushback and self.tokens:
             _quietly(slot, slot.used_tokens, 0)  # refused: it used nothing
+        if said.requests_limit is not None:
+            _quietly(slot, slot.provider_limits, requests=said.requests_limit)
+        if said.tokens_limit is not None:
+            _quietly(slot, slot.provider_limits, tokens=said.tokens_limit)
         if said.requests is not None:
             _quietly(slot, slot.provider_remaining, requests=said.requests)
         if said.tokens is not None:

@@ -157,6 +157,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             max_queued=self._settings.max_queued,
             lease_ttl=self._settings.lease_ttl,
             adaptive=_aimd(self._settings),
+            slow_start=_slow_start(self._settings),
         )
         # Every read and write of the state, from any thread, holds this lock; it is never
         # held across an await, and waiters are woken after it is released.
@@ -206,7 +207,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             queued = {name: len(q) for name, q in state.queues.items()}
             state.bank.refill(now)
             buckets = {
-                key: BucketStats(level=b.level, capacity=b.rule.capacity, per=b.rule.per)
+                key: BucketStats(level=b.level, capacity=int(b.capacity), per=b.rule.per)
                 for key, b in state.bank.buckets.items()
             }
             effective = state.rules.max_concurrent
@@ -324,6 +325,15 @@ class MemoryLimiter(BuiltinLimiter[W]):
         headers)."""
         with self._lock:
             self._state.bank.observe(kind, remaining, self._clock())
+
+    def observe_limit(self, lease: SupportsLease, kind: str, limit: int) -> None:
+        """The provider says its limit of `kind` (requests or tokens) is `limit` a minute
+        (the `x-ratelimit-limit-*` headers): the limiter's bucket of that kind holds and
+        refills no more than that, nor than its configured rate, until the provider says
+        otherwise or an hour passes without it saying (`slotwise._core.rates.Bank.learn`).
+        `Slot.provider_limits()` calls it (`slotwise.httpx` reads the headers)."""
+        with self._lock:
+            self._state.bank.learn(kind, limit, self._clock())
 
     def charge_tokens(self, lease: SupportsLease, tokens: int) -> None:
         """Charge `tokens` more to the token buckets of `lease`'s workload and of the limiter
@@ -628,6 +638,10 @@ class MemoryLimiter(BuiltinLimiter[W]):
 def _aimd(settings: Settings) -> tuple[int, float] | None:
     adaptive = settings.adaptive
     return None if adaptive is None else (adaptive.min_concurrent, adaptive.backoff)
+
+
+def _slow_start(settings: Settings) -> bool:
+    return settings.adaptive is not None and settings.adaptive.slow_start
 
 
 class _Watchers:

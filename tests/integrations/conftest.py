@@ -154,16 +154,18 @@ class FakeProvider:
                 continue
             bucket.refill()
             left = str(max(0, math.floor(bucket.level)))
+            # The providers state their limits a minute, whatever the bucket's period.
+            limit = str(max(1, math.floor(bucket.capacity * 60 / bucket.per)))
             if anthropic:
                 reset = datetime.now(UTC) + timedelta(seconds=bucket.reset())
                 headers += [
-                    (f"anthropic-ratelimit-{name}-limit", str(bucket.capacity)),
+                    (f"anthropic-ratelimit-{name}-limit", limit),
                     (f"anthropic-ratelimit-{name}-remaining", left),
                     (f"anthropic-ratelimit-{name}-reset", reset.isoformat()),
                 ]
             else:
                 headers += [
-                    (f"x-ratelimit-limit-{name}", str(bucket.capacity)),
+                    (f"x-ratelimit-limit-{name}", limit),
                     (f"x-ratelimit-remaining-{name}", left),
                     (f"x-ratelimit-reset-{name}", f"{math.ceil(bucket.reset() * 1000)}ms"),
                 ]

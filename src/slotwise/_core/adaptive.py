@@ -6,6 +6,11 @@ Additive increase, multiplicative decrease: on pushback the effective limit is m
 climbs by one. A burst of refusals of requests that were all in flight before a decrease
 counts once: each lease remembers the ``epoch`` it was granted in, and only leases granted
 since the last decrease can cause the next one (or count as successes for the climb).
+
+Slow start (as TCP's): a limit that starts at ``floor`` rather than at its ceiling climbs by one
+on every success, so that it doubles each round trip, until the first pushback; from there on
+the climb is additive. No more requests than the starting limit reach the provider before it
+has answered any.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Aimd:
     limit: int
     epoch: int = 0  # decreases so far
     credit: float = 0.0  # successes toward the next climb, in round trips
+    slow_start: bool = False  # no pushback yet: every success climbs
 
     def pushback(self, granted_in: int) -> int | None:
         """A request granted in epoch ``granted_in`` was refused by the provider: the new
@@ -47,6 +53,7 @@ class Aimd:
         lower = max(self.floor, math.floor(self.limit * self.backoff))
         self.epoch += 1
         self.credit = 0.0
+        self.slow_start = False
         if lower == self.limit:
             return None
         self.limit = lower
@@ -56,6 +63,9 @@ class Aimd:
         """A request granted in epoch ``granted_in`` succeeded: the new limit, or None."""
         if granted_in < self.epoch or self.limit >= self.ceiling:
             return None
+        if self.slow_start:
+            self.limit += 1
+            return self.limit
         self.credit += 1.0 / self.limit
         if self.credit < 1.0:
             return None

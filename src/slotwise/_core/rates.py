@@ -5,6 +5,12 @@ A bucket holds up to ``capacity`` units and refills continuously at ``capacity /
 second, starting full, as providers document their own limits. A grant takes its cost from
 every bucket that applies to it (the limiter's and its workload's); a token count corrected
 after the fact may leave a bucket below zero, which later grants then wait out.
+
+A bucket may also hold a limit learned from the provider (`Bank.learn`: the
+``x-ratelimit-limit-*`` headers): its capacity, and its refill with it, is then the lesser of
+the configured one and the learned one, until ``LEARNED_FOR`` seconds after the provider last
+stated it. Each statement replaces the one before (higher or lower), so a provider that
+raises its limit is followed up to the configured capacity, never above it.
 """
 
 from __future__ import annotations
@@ -14,12 +20,17 @@ from collections.abc import Iterator, Mapping
 
 import attrs
 
-__all__ = ("Bank", "Bucket", "BucketRule", "Cost", "bucket_key")
+__all__ = ("LEARNED_FOR", "PROVIDER_WINDOW", "Bank", "Bucket", "BucketRule", "Cost", "bucket_key")
 
 # What one request costs: units per bucket kind ("requests", "tokens").
 Cost = Mapping[str, int]
 # The share of a cost a refill may fall short by through float rounding alone.
 _ROUNDING = 1e-9
+# The window of the limits providers state (OpenAI's and Anthropic's are per minute), seconds.
+PROVIDER_WINDOW = 60.0
+# How long a learned limit stands once the provider last stated it, seconds: every response
+# states it again, so only a limiter that has sent nothing for this long forgets it.
+LEARNED_FOR = 3600.0
 
 
 def bucket_key(scope: str | None, kind: str) -> str:
@@ -56,23 +67,41 @@ class BucketRule:
 
 @attrs.define(kw_only=True)
 class Bucket:
-    """A bucket's level at ``updated`` (it refills from there)."""
+    """A bucket's level at ``updated`` (it refills from there), and the capacity learned from
+    the provider (``learned``, in force until ``learned_until``)."""
 
     rule: BucketRule
     level: float
     updated: float
+    learned: float = math.inf
+    learned_until: float = -math.inf
+
+    @property
+    def capacity(self) -> float:
+        """The capacity in force: the configured one, or a lesser one learned."""
+        return min(float(self.rule.capacity), self.learned)
+
+    @property
+    def per_second(self) -> float:
+        return self.capacity / self.rule.per
 
     def refill(self, now: float) -> None:
+        if now >= self.learned_until and self.learned != math.inf:
+            self.learned, self.learned_until = math.inf, -math.inf  # lapsed
         if now > self.updated:
-            self.level = min(
-                float(self.rule.capacity), self.level + (now - self.updated) * self.rule.per_second
-            )
+            capacity = self.capacity
+            self.level = min(capacity, self.level + (now - self.updated) * capacity / self.rule.per)
             self.updated = now
+
+    def need(self, units: int) -> float:
+        """The level a grant of ``units`` needs (a request as large as the capacity in force
+        needs the bucket full, whatever the reserve)."""
+        return min(self.capacity, units + self.rule.reserve)
 
     def holds(self, cost: int) -> bool:
         """Whether the bucket can grant ``cost`` units now (refilled to ``updated``), but for
         what float rounding of the refill leaves short at the moment `wait` named."""
-        return self.level >= self.rule.need(cost) * (1 - _ROUNDING)
+        return self.level >= self.need(cost) * (1 - _ROUNDING)
 
     def wait(self, cost: int) -> float:
         """Seconds until the bucket can grant ``cost`` units (refilled to ``updated``
@@ -81,7 +110,7 @@ class Bucket:
             return math.inf
         if self.holds(cost):
             return 0.0
-        return (self.rule.need(cost) - self.level) / self.rule.per_second
+        return (self.need(cost) - self.level) / self.per_second
 
 
 class Bank:
@@ -124,7 +153,7 @@ class Bank:
         for key in (kind, bucket_key(workload, kind)):
             bucket = self.buckets.get(key)
             if bucket is not None:
-                bucket.level = min(float(bucket.rule.capacity), bucket.level - units)
+                bucket.level = min(bucket.capacity, bucket.level - units)
 
     def observe(self, key: str, remaining: int, now: float) -> bool:
         """The provider says ``remaining`` units are left in bucket ``key``: lower the
@@ -137,6 +166,21 @@ class Bank:
             return False
         bucket.level = float(remaining)
         return True
+
+    def learn(self, key: str, limit: int, now: float) -> bool:
+        """The provider says its limit of bucket ``key``'s kind is ``limit`` units a
+        `PROVIDER_WINDOW`: the bucket's capacity is that (scaled to its own period), or the
+        configured one when lower, until `LEARNED_FOR` from ``now``; a bucket that holds more
+        than that is lowered to it. Returns whether the capacity in force changed."""
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            return False
+        bucket.refill(now)
+        before = bucket.capacity
+        bucket.learned = limit * bucket.rule.per / PROVIDER_WINDOW
+        bucket.learned_until = now + LEARNED_FOR
+        bucket.level = min(bucket.level, bucket.capacity)
+        return bucket.capacity != before
 
     def oversized(self, workload: str, cost: Cost) -> tuple[str, int, BucketRule] | None:
         """A bucket that can never hold ``cost``: (key, units, its rule), or None."""

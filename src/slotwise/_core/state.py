@@ -132,6 +132,7 @@ class LimiterState:
         max_queued: int | None,
         lease_ttl: float,
         adaptive: tuple[int, float] | None = None,
+        slow_start: bool = False,
     ) -> None:
         self.rules = rules
         self.max_queued = max_queued
@@ -162,8 +163,10 @@ class LimiterState:
                 floor=floor,
                 ceiling=rules.max_concurrent,
                 backoff=backoff,
-                limit=rules.max_concurrent,
+                limit=floor if slow_start else rules.max_concurrent,
+                slow_start=slow_start,
             )
+            self._set_limit(self.aimd.limit)
 
     @property
     def timed(self) -> bool:
@@ -659,7 +662,12 @@ def readapt(
         limit = min(max(aimd.limit, floor), rules.max_concurrent)
     epoch = 0 if aimd is None else aimd.epoch
     aimd = Aimd(
-        floor=floor, ceiling=rules.max_concurrent, backoff=backoff, limit=limit, epoch=epoch
+        floor=floor,
+        ceiling=rules.max_concurrent,
+        backoff=backoff,
+        limit=limit,
+        epoch=epoch,
+        slow_start=aimd is not None and aimd.slow_start,  # a slow start goes on
     )
     return aimd, attrs.evolve(rules, max_concurrent=limit)
 
@@ -672,7 +680,8 @@ def carry_over(old: Bank, rules: Rules, now: float) -> Bank:
         previous = old.buckets.get(key)
         if previous is not None:
             previous.refill(now)
-            bucket.level = min(previous.level, float(bucket.rule.capacity))
+            bucket.learned, bucket.learned_until = previous.learned, previous.learned_until
+            bucket.level = min(previous.level, bucket.capacity)
             bucket.updated = now
     return bank
 

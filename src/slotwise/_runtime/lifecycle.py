@@ -370,6 +370,28 @@ class Slot:
                     raise ValueError(f"{kind} must be a non-negative integer, got {remaining!r}")
                 observe(self.limiter, self.lease, kind, remaining)
 
+    def provider_limits(self, *, requests: int | None = None, tokens: int | None = None) -> None:
+        """Tell the limiter the provider's own limits, a minute (the `x-ratelimit-limit-*`
+        and `anthropic-ratelimit-*-limit` headers): a rate bucket configured higher holds and
+        refills no more than that, until the provider states another limit (never above the
+        configured one) or an hour passes without it stating one. `slotwise.httpx` calls it
+        by itself.
+
+        Args:
+            requests: The provider's requests a minute, if it said.
+            tokens: The provider's tokens a minute, if it said.
+
+        Raises:
+            ValueError: a limit is not a positive integer.
+        """
+        learn = getattr(type(self.limiter), "observe_limit", None)
+        for kind, limit in (("requests", requests), ("tokens", tokens)):
+            if limit is not None:
+                if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+                    raise ValueError(f"{kind} must be a positive integer, got {limit!r}")
+                if learn is not None and self.lease is not None:
+                    learn(self.limiter, self.lease, kind, limit)
+
     def throttled(self, retry_after: float | None = None, *, reason: str = "throttled") -> None:
         """Say that the provider refused this slot's request (a 429, 529 or 503): the limiter
         grants no new slot until `retry_after` seconds from now (a jittered backoff that

@@ -148,7 +148,13 @@ class _Observed:
     remaining: int
 
 
-_Learned = _Pushback | _Charge | _Observed
+@attrs.frozen(kw_only=True)
+class _Limit:
+    kind: str
+    limit: int
+
+
+_Learned = _Pushback | _Charge | _Observed | _Limit
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -174,22 +180,28 @@ class _Pace:
     ) -> _Pace:
         # Buckets not stored yet are full, as if they had been refilling forever.
         bank = Bank(settings.rules.buckets, -math.inf)
-        for key, (level, updated) in (buckets or {}).items():
+        for key, (level, updated, *learned) in (buckets or {}).items():
             bucket = bank.buckets.get(key)
             if bucket is not None:
-                bucket.level = min(float(level), float(bucket.rule.capacity))
+                if learned:  # a limit learned from the provider, and until when it stands
+                    bucket.learned, bucket.learned_until = map(float, learned)
+                bucket.level = min(float(level), bucket.capacity)
                 bucket.updated = float(updated)
         aimd = None
         if settings.adaptive is not None:
             floor, ceiling = settings.adaptive.min_concurrent, settings.max_concurrent
             stored = adaptive or {}
+            # A limiter with no adaptive state stored yet starts at the floor in slow start.
+            slow_start = bool(stored.get("slow_start", not stored and settings.adaptive.slow_start))
+            start = floor if slow_start else ceiling
             aimd = Aimd(
                 floor=floor,
                 ceiling=ceiling,
                 backoff=settings.adaptive.backoff,
-                limit=min(max(int(stored.get("limit", ceiling)), floor), ceiling),
+                limit=min(max(int(stored.get("limit", start)), floor), ceiling),
                 epoch=int(stored.get("epoch", 0)),
                 credit=float(stored.get("credit", 0.0)),
+                slow_start=slow_start,
             )
         return cls(
             bank=bank,
@@ -212,6 +224,11 @@ class _Pace:
             "buckets": json.dumps(
                 {
                     key: [bucket.level, bucket.updated]
+                    + (
+                        [bucket.learned, bucket.learned_until]
+                        if math.isfinite(bucket.learned)
+                        else []
+                    )
                     for key, bucket in self.bank.buckets.items()
                     if math.isfinite(bucket.updated)
                 }
@@ -221,7 +238,12 @@ class _Pace:
             "adaptive": None
             if self.aimd is None
             else json.dumps(
-                {"limit": self.aimd.limit, "epoch": self.aimd.epoch, "credit": self.aimd.credit}
+                {
+                    "limit": self.aimd.limit,
+                    "epoch": self.aimd.epoch,
+                    "credit": self.aimd.credit,
+                    "slow_start": self.aimd.slow_start,
+                }
             ),
         }
 
@@ -742,7 +764,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             effective=pace.limit(settings),
             paused_until=pace.paused_until if pace.paused_until > now else None,
             buckets={
-                key: BucketStats(level=b.level, capacity=b.rule.capacity, per=b.rule.per)
+                key: BucketStats(level=b.level, capacity=int(b.capacity), per=b.rule.per)
                 for key, b in pace.bank.buckets.items()
             },
         )
@@ -832,6 +854,16 @@ class PostgresLimiter(BuiltinLimiter[W]):
         within `poll_interval`. `Slot.provider_remaining()` calls it."""
         if kind in self._settings.rules.buckets:
             self._push(_Observed(kind=kind, remaining=remaining), False)
+
+    def observe_limit(self, lease: SupportsLease, kind: str, limit: int) -> None:
+        """The provider says its limit of `kind` (requests or tokens) is `limit` a minute:
+        the limiter's bucket of that kind, shared by every process, holds and refills no more
+        than that, nor than its configured rate, until the provider says otherwise or an hour
+        passes without it saying (stored with the buckets, on the database clock). Stored by
+        this process's next transaction, within `poll_interval`. `Slot.provider_limits()`
+        calls it."""
+        if kind in self._settings.rules.buckets:
+            self._push(_Limit(kind=kind, limit=limit), False)
 
     def charge_tokens(self, lease: SupportsLease, tokens: int) -> None:
         """Charge `tokens` more to the token buckets of `lease`'s workload and of the limiter
@@ -1638,6 +1670,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
             elif isinstance(item, _Charge):
                 pace.bank.refill(now)
                 pace.bank.give(item.workload, "tokens", item.units)
+            elif isinstance(item, _Limit):
+                pace.bank.learn(item.kind, item.limit, now)
             else:
                 pace.bank.observe(item.kind, item.remaining, now)
         # [epoch, throttled] of each lease released here, in the order given.
@@ -1651,7 +1685,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             if pace.aimd is not None:
                 old_limit, credit = pace.aimd.limit, pace.aimd.credit
                 new_limit = pace.aimd.success(int(epoch))
-                pace.dirty = pace.dirty or pace.aimd.credit != credit
+                pace.dirty = pace.dirty or new_limit is not None or pace.aimd.credit != credit
                 if new_limit is not None:
                     changes.append((old_limit, new_limit, "recovered"))
 
@@ -1959,7 +1993,13 @@ def _rate_json(rate: Rate) -> dict[str, Any]:
 
 
 def _adaptive_json(adaptive: Adaptive) -> dict[str, Any]:
-    return {"min_concurrent": adaptive.min_concurrent, "backoff": float(adaptive.backoff)}
+    stored: dict[str, Any] = {
+        "min_concurrent": adaptive.min_concurrent,
+        "backoff": float(adaptive.backoff),
+    }
+    if adaptive.slow_start:  # stored only when set: limits stored without it still match
+        stored["slow_start"] = True
+    return stored
 
 
 def _adaptive(settings: Settings) -> tuple[int, float] | None:

@@ -1,0 +1,86 @@
+"""Limits learned from the provider on PostgresLimiter: stored with the limiter's buckets, so
+that every process holds and refills no more than the provider allows; and an adaptive limit's
+slow start, stored with the limiter too. PostgresLimiter is asyncio-only: these tests run on
+asyncio (see conftest)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from slotwise import Adaptive, Rate
+from slotwise.postgres import PostgresLimiter
+
+pytestmark = pytest.mark.anyio
+
+Make = Callable[..., PostgresLimiter[Any]]
+TWICE: dict[str, Any] = {
+    "max_concurrent": 8,
+    "rate": Rate(requests=1200, tokens=200_000, per=60.0),
+}
+
+
+@pytest.fixture
+def make(tagged_dsn: str, schema: str, limiters: list[Any]) -> Make:
+    def make(**kwargs: Any) -> PostgresLimiter[Any]:
+        kwargs.setdefault("name", "claude")
+        kwargs.setdefault("schema", schema)
+        kwargs.setdefault("poll_interval", 0.05)
+        limiter: PostgresLimiter[Any] = PostgresLimiter(
+            kwargs.pop("conninfo", tagged_dsn), **kwargs
+        )
+        limiters.append(limiter)
+        return limiter
+
+    return make
+
+
+async def test_a_learned_limit_caps_the_shared_buckets_for_every_process(make: Make) -> None:
+    limiter, other = make(**TWICE), make(**TWICE)
+    async with limiter.slot(tokens=1_000) as slot:
+        slot.provider_limits(requests=600, tokens=100_000)
+        await limiter.stats()  # stored now (else within poll_interval)
+        buckets = (await other.stats()).buckets
+        assert (buckets["requests"].capacity, buckets["tokens"].capacity) == (600, 100_000)
+        assert buckets["tokens"].level <= 100_000
+    # Another process's grants are charged against the learned capacity too.
+    async with other.slot(tokens=1_000):
+        pass
+    assert (await limiter.stats()).buckets["tokens"].capacity == 100_000
+
+
+async def test_a_learned_limit_never_raises_the_shared_capacity(make: Make) -> None:
+    limiter, other = make(**TWICE), make(**TWICE)
+    async with limiter.slot() as slot:
+        slot.provider_limits(tokens=100_000)
+        slot.provider_limits(tokens=900_000)  # above the configured rate: the configured one
+        await limiter.stats()
+    buckets = (await other.stats()).buckets
+    assert buckets["tokens"].capacity == 200_000
+
+
+async def test_an_adaptive_limit_in_slow_start_begins_at_min_concurrent_everywhere(
+    make: Make,
+) -> None:
+    limits: dict[str, Any] = {
+        "max_concurrent": 16,
+        "adaptive": Adaptive(min_concurrent=2, slow_start=True),
+    }
+    limiter, other = make(**limits), make(**limits)
+    assert (await other.stats()).effective_max_concurrent == 2
+    for _ in range(3):
+        async with limiter.slot():
+            pass
+    assert (await other.stats()).effective_max_concurrent == 5
+    async with limiter.slot() as slot:
+        slot.throttled(retry_after=0.0)
+    await limiter.stats()
+    assert (await other.stats()).effective_max_concurrent == 2
+    for _ in range(2):
+        async with other.slot():
+            pass
+    # Slow start ended with the pushback, for every process: the climb is additive now (one
+    # slot after as many successes as the limit; slow start would be at 4).
+    assert (await limiter.stats()).effective_max_concurrent == 3
