@@ -552,6 +552,45 @@ async def test_set_limits_refuses_the_waiters_of_a_removed_workload_in_every_pro
             pass
 
 
+async def test_set_limits_fails_the_waiters_a_smaller_bucket_can_never_hold(
+    make: Make, eventually: Any
+) -> None:
+    # As a request too large for a bucket fails at once, one waiting when set_limits() makes
+    # the bucket too small fails then, in the process where it waits; and its claim on the
+    # bucket no longer holds back the smaller request behind it.
+    limits: dict[str, Any] = {"max_concurrent": 4, "rate": Rate(tokens=1_000)}
+    limiter, other = make(**limits), make(**limits)
+    errors: list[BaseException] = []
+    small = anyio.Event()
+
+    async def large() -> None:
+        try:
+            async with other.slot(tokens=500):
+                pytest.fail("a bucket of 400 can never hold 500 tokens")
+        except ConcurrencyConfigError as exc:
+            errors.append(exc)
+
+    async def behind() -> None:
+        async with other.slot(tokens=20, allow_nested=True):
+            small.set()
+
+    async with limiter.slot(tokens=900):  # 100 tokens left, refilling slowly
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(large)
+            await eventually(lambda: queued(limiter, 1))
+            tg.start_soon(behind)
+            await eventually(lambda: queued(limiter, 2))
+            assert not small.is_set()  # held back by the larger request's claim
+            await limiter.set_limits(rate=Rate(tokens=400))
+            with anyio.fail_after(5):
+                await small.wait()
+        assert len(errors) == 1
+        assert "can never be granted" in str(errors[0])
+        assert "'tokens'" in str(errors[0])
+        await other.stats()  # its next cycle takes the failed request's entry out
+        assert (await limiter.stats()).queued == 0
+
+
 # -- per-workload queue bounds ----------------------------------------------------------------
 
 

@@ -43,6 +43,7 @@ from .._core.state import (
     allocate_paced,
     carry_over,
     check_cost,
+    cost_error,
     paced_wake,
     pause,
     readapt,
@@ -99,7 +100,11 @@ def _key(entry: _Entry) -> tuple[int, int]:
 
 
 def _cost(entry: _Entry) -> Mapping[str, int]:
-    return {"requests": 1, "tokens": entry.tokens} if entry.tokens else {"requests": 1}
+    return _cost_of(entry.tokens)
+
+
+def _cost_of(tokens: int) -> Mapping[str, int]:
+    return {"requests": 1, "tokens": tokens} if tokens else {"requests": 1}
 
 
 def _enqueued_at(entry: _Entry) -> float:
@@ -786,8 +791,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
         to the requests waiting now; every other process grants under them from its next
         allocation. Held slots are never revoked: with a smaller limit, new grants wait
         until fewer are active. Requests waiting for a workload that is gone fail with
-        `ConcurrencyConfigError`, in every process; slots held in it count until they are
-        released. `default_workload` is this process's own. Emits `limit-changed` when the
+        `ConcurrencyConfigError`, in every process (slots held in it count until they are
+        released), and so do waiting requests whose token estimate a smaller bucket can
+        never hold (the error names the bucket). `default_workload` is this process's own. Emits `limit-changed` when the
         limit in force changes. A worker started later with the limits it was deployed
         with takes these (a worker deployed with other limits still fails, see
         `on_conflict`; `on_conflict="replace"` stores its limits over these).
@@ -1303,15 +1309,24 @@ class PostgresLimiter(BuiltinLimiter[W]):
         """Use the limits in force (set by `set_limits()` here or in another process); a
         local request waiting for a workload that is gone fails."""
         self._settings, self._version = settings, version
+        bank = Bank(settings.rules.buckets, 0.0)
         for entry_id, waiter in list(self._waiters.items()):
+            error: ConcurrencyConfigError | None
             if waiter.workload not in settings.workloads:
-                del self._waiters[entry_id]
-                if self._pending.pop(entry_id, None) is not None:
-                    waiter.refused = True  # never enqueued: nothing to withdraw
-                waiter.error = ConcurrencyConfigError(
+                error = ConcurrencyConfigError(
                     f"workload {waiter.workload!r} was removed from limiter {self.name!r} by "
                     "set_limits() while this request waited"
                 )
+            elif waiter.tokens:
+                # A bucket made smaller than its estimate: it fails as it would at once.
+                error = cost_error(bank, waiter.workload, _cost_of(waiter.tokens))
+            else:
+                error = None
+            if error is not None:
+                del self._waiters[entry_id]
+                if self._pending.pop(entry_id, None) is not None:
+                    waiter.refused = True  # never enqueued: nothing to withdraw
+                waiter.error = error
                 waiter.event.set()
 
     def _settings_from(self, limits: Mapping[str, Any] | None) -> Settings:
@@ -1696,7 +1711,11 @@ class PostgresLimiter(BuiltinLimiter[W]):
         rules = retire(pace.rules(settings), active)
         queues: dict[str, list[_Entry]] = {}
         for entry_id, workload, micros, seq, owner, tokens, waited in head_rows or []:
-            if workload in settings.workloads:
+            # An entry of a workload that is gone, or too large for a bucket made smaller,
+            # takes and claims nothing: its process fails it when it adopts these limits.
+            if workload in settings.workloads and (
+                not tokens or cost_error(pace.bank, workload, _cost_of(tokens)) is None
+            ):
                 queues.setdefault(workload, []).append(
                     _Entry(
                         entry_id=entry_id,
