@@ -463,10 +463,19 @@ async def test_without_retry_after_the_pause_backs_off_doubling_from_a_second() 
     limiter = MemoryLimiter(name="p", max_concurrent=4)
     held = [limiter.slot(allow_nested=True) for _ in range(3)]
     slots = [await h.__aenter__() for h in held]
-    # Three refusals with no success between them: 1 s, then 2 s, then 4 s (jittered).
+    # Three requests in flight refused together: one burst, a pause of about a second.
     start = now()
     for slot in slots:
         slot.throttled()
+    async with limiter.slot(allow_nested=True) as first:
+        assert 0.75 <= now() - start <= 1.25
+        # Refused again, granted after that pause and with no success between them: 2 s.
+        first.throttled()
+    start = now()
+    async with limiter.slot(allow_nested=True) as second:
+        assert 1.5 <= now() - start <= 2.5
+        second.throttled()
+    start = now()
     async with limiter.slot(allow_nested=True):
         assert 3.0 <= now() - start <= 5.0
     for h in held:

@@ -389,7 +389,7 @@ async def test_a_waits_max_wait_keeps_running_during_a_pause(make: Make) -> None
 async def test_without_retry_after_the_pause_backs_off_across_processes(
     make: Make, dsn: str, schema: str
 ) -> None:
-    limiter, other = make(max_concurrent=4), make(max_concurrent=4)
+    limiter, other = make(max_concurrent=5), make(max_concurrent=5)
 
     async def backoffs() -> int:
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
@@ -400,15 +400,26 @@ async def test_without_retry_after_the_pause_backs_off_across_processes(
 
     fine = await acquire(limiter=limiter)
     slots = [await acquire(limiter=other) for _ in range(3)]
-    # Three refusals with no success between them: 1 s, then 2 s, then 4 s (jittered),
+    # Three requests in flight refused together: one burst, one pause of about a second,
     # counted in the database whichever process refuses.
     for slot in slots:
         slot.throttled()
     await other.stats()  # stored now (else soon, by a task of its own)
     stats = await limiter.stats()
     assert stats.paused_until is not None
-    assert 3.0 - 0.5 <= stats.paused_until - time.time() <= 5.0
-    assert await backoffs() == 3
+    assert 0.75 - 0.5 <= stats.paused_until - time.time() <= 1.25
+    assert await backoffs() == 1
+    # A request granted after that pause and refused with no success between them: 2 s.
+    again = await acquire(limiter=limiter)
+    assert time.time() >= stats.paused_until - 0.05
+    again.throttled()
+    await limiter.stats()
+    stats = await other.stats()
+    assert stats.paused_until is not None
+    assert 1.5 - 0.5 <= stats.paused_until - time.time() <= 2.5
+    assert await backoffs() == 2
+    await again.release()
+    assert await backoffs() == 2  # a refused request's release is no success
     # A success (a request the provider did not refuse) starts the backoff again from a
     # second; the refused requests' releases are no successes.
     await fine.release()

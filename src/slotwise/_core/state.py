@@ -628,10 +628,16 @@ def pause(
     without a retry-after since the last success (the next backoff's step).
 
     ``retry_after`` None means a doubling backoff (`backoff_delay`); a pause already in
-    force that ends later stays."""
+    force that ends later stays. A refusal without a retry-after while a backoff's pause is
+    in force does not double the backoff: nothing was granted during the pause, so its
+    request went out before the pause began, with the burst that caused it (eight requests
+    in flight refused together pause for a second, not for a minute)."""
     if retry_after is None:
-        retry_after = backoff_delay(backoffs, jitter)
-        backoffs += 1
+        if paused_until > now and backoffs:
+            retry_after = backoff_delay(backoffs - 1, jitter)  # the burst's own step
+        else:
+            retry_after = backoff_delay(backoffs, jitter)
+            backoffs += 1
     return max(paused_until, now + max(0.0, retry_after)), backoffs
 
 
