@@ -95,3 +95,44 @@ async def test_a_release_under_way_when_the_limiter_closes_is_still_made(make: A
         await limiter.aclose()
     stats = await other.stats()
     assert (stats.active, stats.queued) == (0, 0)
+
+
+async def test_a_release_that_starts_while_the_limiter_closes_is_made_and_leaves_it_usable(
+    make: Any,
+) -> None:
+    # The release comes after aclose() began (the limiter is no longer started): it must
+    # not start the limiter again under aclose(), whose pool it would then lose.
+    limiter = make(max_concurrent=2)
+    other = make(max_concurrent=2)
+    lease = await limiter.acquire(request())
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(limiter.aclose)
+            await checkpoint()  # aclose() is under way
+            tg.start_soon(limiter.release, lease)
+    assert (await other.stats()).active == 0
+    with anyio.fail_after(5):
+        again = await limiter.acquire(request())
+    await limiter.release(again)
+    await limiter.aclose()
+
+
+async def test_releases_are_sent_when_the_poller_died_of_something_else(
+    make: Any, eventually: Any
+) -> None:
+    # A poller ended by anything but aclose() (here: cancelled from outside) leaves the
+    # release it carried queued; a new poller must send it.
+    limiter = make(max_concurrent=2)
+    other = make(max_concurrent=2)
+    lease = await limiter.acquire(request())
+    with anyio.fail_after(20):  # the release hung
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(limiter.release, lease)
+            await checkpoint()
+            assert limiter._poller is not None
+            limiter._poller.cancel()
+    await eventually(lambda: released(other))
+
+
+async def released(limiter: PostgresLimiter[Any]) -> bool:
+    return (await limiter.stats()).active == 0

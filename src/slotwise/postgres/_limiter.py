@@ -393,6 +393,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         "_base",
         "_beat_at",
         "_channel",
+        "_closing",
         "_flush_kick",
         "_flusher",
         "_kick",
@@ -545,6 +546,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._q = _Queries(schema)
         self._started = False
         self._start_lock: asyncio.Lock | None = None
+        self._closing: anyio.Event | None = None  # set when an aclose() under way ends
         self._waiters: dict[str, _Waiter] = {}  # local requests waiting, by queue entry
         self._pending: dict[str, _Waiter] = {}  # those not yet enqueued, in arrival order
         # Entries of requests that ended without their lease, with when: the poller drops
@@ -653,6 +655,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 event loop is not asyncio, or the limiter is in use on another event loop.
         """
         self._check_loop()
+        while self._closing is not None:
+            # aclose() under way: start again once it is done, with a pool of its own.
+            await self._closing.wait()
         if self._started:
             await checkpoint()
             return
@@ -681,6 +686,17 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._check_loop()
         if self._loop is None:  # never started, or its event loop ended: nothing runs
             return
+        if self._closing is not None:
+            await self._closing.wait()
+            return
+        closing = self._closing = anyio.Event()
+        try:
+            await self._close()
+        finally:
+            self._closing = None
+            closing.set()
+
+    async def _close(self) -> None:
         started, self._started = self._started, False  # requests ending now start nothing
         for task in (self._poller, self._listener, self._flusher):
             if task is not None:
@@ -1008,7 +1024,15 @@ class PostgresLimiter(BuiltinLimiter[W]):
         if done is None:
             done = self._releases[lease_id] = _Release()
         self._wake_poller()
-        await done.event.wait()
+        while True:
+            with anyio.move_on_after(self.poll_interval):
+                await done.event.wait()
+            if done.event.is_set():
+                break
+            # A poller that ended of anything but aclose() (which sends the releases left)
+            # put this release back: a new one sends it.
+            if self._started:
+                self._ensure_poller()
         if done.error is not None:
             raise done.error
 
@@ -1037,6 +1061,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         # another process granted us a slot triggers a lock-free read.
         interval = min(self.poll_interval, self._queue_entry_ttl / 3)
         next_cycle = anyio.current_time()
+        rest = 0.0
         self._kick = anyio.Event()
         self._rounds = anyio.Event()
         try:
@@ -1073,8 +1098,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
                             waiter.event.set()
                     for done in releases.values():
                         done.error = exc
-                    if withdraw:
-                        await anyio.sleep(interval)  # to try them again, not in a tight loop
+                    rest = interval if withdraw else 0.0  # to try them again, not in a loop
                 except BaseException:
                     # Stopped by aclose(): whether this round committed is not known, so its
                     # releases go back for aclose() to send again.
@@ -1085,6 +1109,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
                     self._sending = {}
                     for done in releases.values():
                         done.event.set()
+                if rest:
+                    await anyio.sleep(rest)
+                    rest = 0.0
                 rounds, self._rounds = self._rounds, anyio.Event()
                 rounds.set()
         finally:
