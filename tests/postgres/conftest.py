@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import anyio
 import pytest
@@ -143,6 +143,25 @@ async def limiters() -> AsyncIterator[list[object]]:
     yield made
     for limiter in made:
         await limiter.aclose()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def make(tagged_dsn: str, schema: str, limiters: list[object]) -> Callable[..., Any]:
+    """``make(**kwargs)``: a PostgresLimiter named "claude" in this test's schema, polling
+    every 50 ms (``conninfo=`` another pool or address), closed at the end of the test."""
+    from slotwise.postgres import PostgresLimiter
+
+    def make(**kwargs: Any) -> PostgresLimiter[Any]:
+        kwargs.setdefault("name", "claude")
+        kwargs.setdefault("schema", schema)
+        kwargs.setdefault("poll_interval", 0.05)
+        limiter: PostgresLimiter[Any] = PostgresLimiter(
+            kwargs.pop("conninfo", tagged_dsn), **kwargs
+        )
+        limiters.append(limiter)
+        return limiter
+
+    return make
 
 
 Eventually = Callable[[Callable[[], Awaitable[bool]]], Awaitable[None]]

@@ -35,21 +35,6 @@ def request(workload: str = "default", deadline: float | None = None) -> Acquire
     return AcquireRequest(workload=workload, request_id="test", deadline=deadline)
 
 
-@pytest.fixture
-def make(tagged_dsn: str, schema: str, limiters: list[Any]) -> Any:
-    def make(**kwargs: Any) -> PostgresLimiter[Any]:
-        kwargs.setdefault("name", "claude")
-        kwargs.setdefault("schema", schema)
-        kwargs.setdefault("poll_interval", 0.05)
-        limiter: PostgresLimiter[Any] = PostgresLimiter(
-            kwargs.pop("conninfo", tagged_dsn), **kwargs
-        )
-        limiters.append(limiter)
-        return limiter
-
-    return make
-
-
 async def test_acquire_renew_release(make: Any) -> None:
     limiter = make(max_concurrent=2)
     lease = await limiter.acquire(request())

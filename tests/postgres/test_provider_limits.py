@@ -22,21 +22,6 @@ TWICE: dict[str, Any] = {
 }
 
 
-@pytest.fixture
-def make(tagged_dsn: str, schema: str, limiters: list[Any]) -> Make:
-    def make(**kwargs: Any) -> PostgresLimiter[Any]:
-        kwargs.setdefault("name", "claude")
-        kwargs.setdefault("schema", schema)
-        kwargs.setdefault("poll_interval", 0.05)
-        limiter: PostgresLimiter[Any] = PostgresLimiter(
-            kwargs.pop("conninfo", tagged_dsn), **kwargs
-        )
-        limiters.append(limiter)
-        return limiter
-
-    return make
-
-
 async def test_a_learned_limit_caps_the_shared_buckets_for_every_process(make: Make) -> None:
     limiter, other = make(**TWICE), make(**TWICE)
     async with limiter.slot(tokens=1_000) as slot:

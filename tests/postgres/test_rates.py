@@ -39,21 +39,6 @@ pytestmark = pytest.mark.anyio
 Make = Callable[..., PostgresLimiter[Any]]
 
 
-@pytest.fixture
-def make(tagged_dsn: str, schema: str, limiters: list[Any]) -> Make:
-    def make(**kwargs: Any) -> PostgresLimiter[Any]:
-        kwargs.setdefault("name", "claude")
-        kwargs.setdefault("schema", schema)
-        kwargs.setdefault("poll_interval", 0.05)
-        limiter: PostgresLimiter[Any] = PostgresLimiter(
-            kwargs.pop("conninfo", tagged_dsn), **kwargs
-        )
-        limiters.append(limiter)
-        return limiter
-
-    return make
-
-
 async def record_grants(dsn: str, schema: str) -> None:
     """Record every grant and end of a lease (run once the tables exist)."""
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:

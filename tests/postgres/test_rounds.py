@@ -29,19 +29,6 @@ async def queued(limiter: PostgresLimiter[Any], count: int) -> bool:
 
 
 @pytest.fixture
-def make(tagged_dsn: str, schema: str, limiters: list[Any]) -> Callable[..., Any]:
-    def make(**kwargs: Any) -> PostgresLimiter[Any]:
-        kwargs.setdefault("name", "rounds")
-        kwargs.setdefault("schema", schema)
-        kwargs.setdefault("poll_interval", 0.05)
-        limiter: PostgresLimiter[Any] = PostgresLimiter(tagged_dsn, **kwargs)
-        limiters.append(limiter)
-        return limiter
-
-    return make
-
-
-@pytest.fixture
 def transactions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The transactions every PostgresLimiter runs from now on, by the body's name."""
     ran: list[str] = []
