@@ -809,10 +809,11 @@ class PostgresLimiter(BuiltinLimiter[W]):
         until fewer are active. Requests waiting for a workload that is gone fail with
         `ConcurrencyConfigError`, in every process (slots held in it count until they are
         released), and so do waiting requests whose token estimate a smaller bucket can
-        never hold (the error names the bucket). `default_workload` is this process's own. Emits `limit-changed` when the
-        limit in force changes. A worker started later with the limits it was deployed
-        with takes these (a worker deployed with other limits still fails, see
-        `on_conflict`; `on_conflict="replace"` stores its limits over these).
+        never hold (the error names the bucket). `default_workload` is this process's own.
+        Emits `limit-changed` when the limit in force changes. A worker started later with
+        the limits it was deployed with takes these (a worker deployed with other limits
+        still fails, see `on_conflict`; `on_conflict="replace"` stores its limits over
+        these).
 
         Raises:
             ConcurrencyConfigError: a setting is invalid; nothing changed.
@@ -921,11 +922,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._check_loop()
         tokens = request.tokens
         if tokens and self._settings.rules.buckets:
-            check_cost(
-                Bank(self._settings.rules.buckets, 0.0),
-                workload,
-                {"requests": 1, "tokens": tokens},
-            )
+            check_cost(Bank(self._settings.rules.buckets, 0.0), workload, _cost_of(tokens))
         started = anyio.current_time()
         end = math.inf if request.deadline is None else request.deadline
         max_wait = self._settings.workloads[workload].max_wait
