@@ -542,6 +542,43 @@ async def test_the_adaptive_limit_falls_on_pushback_and_climbs_on_success() -> N
 
 
 @on_mock_clock()
+async def test_cancelled_and_failed_requests_are_no_successes() -> None:
+    # A cancelled or failed body says nothing of the provider's room: the adaptive limit does
+    # not climb on it, nor does a backoff start again from a second.
+    limiter = MemoryLimiter(
+        name="aimd", max_concurrent=8, adaptive=Adaptive(min_concurrent=2, slow_start=True)
+    )
+    assert limiter.stats_nowait().effective_max_concurrent == 2
+    with anyio.move_on_after(1):
+        async with limiter.slot():
+            await anyio.sleep(5)  # cancelled
+    with pytest.raises(ValueError, match="the body failed"):
+        async with limiter.slot():
+            raise ValueError("the body failed")
+    slot = await slotwise.acquire(limiter=limiter)
+    await slot.release("failed")
+    slot = await slotwise.acquire(limiter=limiter)
+    slot.release_sync("cancelled")
+    assert limiter.stats_nowait().effective_max_concurrent == 2
+    async with limiter.slot():
+        pass
+    assert limiter.stats_nowait().effective_max_concurrent == 3  # a completed one climbs
+
+    # A refusal without a retry-after pauses about a second; with only a failure since,
+    # the next one backs off to about two.
+    async with limiter.slot() as refused:
+        refused.throttled()
+    with pytest.raises(ValueError, match="the body failed"):
+        async with limiter.slot():
+            raise ValueError("the body failed")
+    async with limiter.slot() as refused:
+        refused.throttled()
+    start = now()
+    async with limiter.slot():
+        assert 1.5 <= now() - start <= 2.5
+
+
+@on_mock_clock()
 async def test_shrinking_never_revokes_a_held_slot() -> None:
     limiter = MemoryLimiter(name="aimd", max_concurrent=4, adaptive=Adaptive(min_concurrent=1))
     held = [limiter.slot(allow_nested=True) for _ in range(4)]

@@ -317,6 +317,14 @@ class MemoryLimiter(BuiltinLimiter[W]):
         _wake(wakers)
         return until, throttle.limit
 
+    def not_succeeded(self, lease: SupportsLease) -> None:
+        """The request held by `lease` was cancelled or failed: its release is no success,
+        so an adaptive limit does not climb on it and a backoff does not start again from
+        a second. The slot lifecycle calls it before releasing a slot whose body did not
+        complete."""
+        with self._lock:
+            self._state.not_succeeded(lease.lease_id)
+
     def observe_remaining(self, lease: SupportsLease, kind: str, remaining: int) -> None:
         """The provider says `remaining` requests or tokens (`kind`) are left of its
         limit: the limiter's bucket of that kind holds no more than that (it is lowered,

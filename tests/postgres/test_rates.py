@@ -447,6 +447,34 @@ async def test_the_adaptive_limit_is_shared_falls_on_pushback_and_climbs_on_succ
     ]
 
 
+async def test_cancelled_and_failed_requests_are_no_successes(make: Make) -> None:
+    # A cancelled or failed body says nothing of the provider's room: the shared adaptive
+    # limit does not climb on it.
+    limits: dict[str, Any] = {
+        "max_concurrent": 8,
+        "adaptive": Adaptive(min_concurrent=2, slow_start=True),
+    }
+    limiter, other = make(**limits), make(**limits)
+    assert (await other.stats()).effective_max_concurrent == 2
+    with anyio.move_on_after(0.2):
+        async with limiter.slot():
+            await anyio.sleep(5)  # cancelled
+    with pytest.raises(ValueError, match="the body failed"):
+        async with limiter.slot():
+            raise ValueError("the body failed")
+    slot = await acquire(limiter=limiter)
+    await slot.release("failed")
+    # Released together in one round, a failure beside a success: only the success climbs.
+    failed, fine = await acquire(limiter=limiter), await acquire(limiter=limiter)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(failed.release, "cancelled")
+        tg.start_soon(fine.release)
+    assert (await other.stats()).effective_max_concurrent == 3
+    async with limiter.slot():
+        pass
+    assert (await other.stats()).effective_max_concurrent == 4
+
+
 async def test_shrinking_never_revokes_a_held_slot(make: Make) -> None:
     limits: dict[str, Any] = {"max_concurrent": 4, "adaptive": Adaptive(min_concurrent=1)}
     limiter, other = make(**limits), make(**limits)

@@ -64,7 +64,7 @@ def holds(tether: Tether | None) -> bool:
 class LeaseRecord:
     """A granted lease; the shell hands it out as the lease itself."""
 
-    __slots__ = ("epoch", "expires_at", "lease_id", "tether", "throttled", "waited_for", "workload")
+    __slots__ = ("epoch", "expires_at", "lease_id", "succeeded", "tether", "waited_for", "workload")
 
     expires_at: float
 
@@ -76,7 +76,9 @@ class LeaseRecord:
         self.expires_at = expires_at
         self.tether = tether
         self.epoch = epoch  # the adaptive limit's epoch when it was granted
-        self.throttled = False  # the provider refused its request
+        # False once the provider refused its request, or its body was cancelled or failed:
+        # its release then tells nothing of the provider's room (no climb, no backoff reset).
+        self.succeeded = True
         self.waited_for: tuple[str, ...] = ()  # the rate buckets (and "pause") it waited for
 
     def __repr__(self) -> str:
@@ -316,8 +318,9 @@ class LimiterState:
     # -- leases ---------------------------------------------------------------------------
 
     def release(self, lease_id: str, now: float) -> list[Ticket]:
-        """End a lease (idempotent) and grant what it frees. A lease whose request the
-        provider did not refuse counts as a success for an adaptive limit."""
+        """End a lease (idempotent) and grant what it frees. A lease whose request completed
+        (neither refused by the provider nor cancelled nor failed: `not_succeeded()`) counts
+        as a success for an adaptive limit."""
         record = self.leases.pop(lease_id, None)
         if record is None:
             return []
@@ -328,13 +331,22 @@ class LimiterState:
             self.shared_used -= 1
         if len(self._expiries) > 2 * len(self.leases) + 64:
             self._compact()
-        if not record.throttled:
+        if record.succeeded:
             self._backoffs = 0
             if self.aimd is not None:
                 new = self.aimd.success(record.epoch)
                 if new is not None:
                     self._set_limit(new)
         return self._allocate(now) if self.queued else []
+
+    def not_succeeded(self, lease_id: str) -> None:
+        """The request of lease ``lease_id`` ended without success (cancelled, or failed):
+        its release will not count as one. An adaptive limit only climbs on requests the
+        provider answered; a cancelled or failed one says nothing of its room, so it is
+        ignored (neither a success nor a pushback)."""
+        record = self.leases.get(lease_id)
+        if record is not None:
+            record.succeeded = False
 
     def renew(self, lease_id: str, now: float) -> LeaseRecord | None:
         """Extend a valid lease by ``lease_ttl``; None when it is no longer held."""
@@ -408,7 +420,7 @@ class LimiterState:
         record = self.leases.get(lease_id) if lease_id is not None else None
         change = None
         if record is not None:
-            record.throttled = True
+            record.succeeded = False
             if self.aimd is not None:
                 old = self.aimd.limit
                 new = self.aimd.pushback(record.epoch)

@@ -325,6 +325,8 @@ class Slot:
             self._release_nowait(nowait, outcome)
             return
         self._released = True
+        if outcome != "completed":
+            self._not_succeeded()
         keeper = self._keeper
         bound = keeper.remaining(self) if keeper is not None else lease_ttl(self.limiter)
         if keeper is not None:
@@ -440,6 +442,8 @@ class Slot:
         self._released = True
         if self._keeper is not None:
             self._keeper.forget(self)
+        if outcome != "completed":
+            self._not_succeeded()
         try:
             nowait(self.limiter, self.lease)  # type: ignore[arg-type]
         except BaseException as exc:
@@ -449,6 +453,19 @@ class Slot:
             return
         if dispatch._subscriptions and dispatch.wants(self.limiter):
             self._released_as(outcome, None)
+
+    def _not_succeeded(self) -> None:
+        """Tell a limiter that has `not_succeeded()` that this slot's request was cancelled
+        or failed, so that its release is no success for an adaptive limit."""
+        hook = getattr(type(self.limiter), "not_succeeded", None)
+        if hook is None:
+            return
+        try:
+            hook(self.limiter, self.lease)
+        except BaseException as exc:  # the release goes on: it frees the slot all the same
+            if _fatal(exc):
+                raise
+            _logger.warning("slotwise: not_succeeded() of %s failed: %s", self.lease_id, exc)
 
     def _released_as(self, outcome: Outcome, error: BaseException | None) -> None:
         lease_id = self.lease_id or ""

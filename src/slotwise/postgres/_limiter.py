@@ -10,7 +10,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from datetime import datetime
 from functools import partial
 from types import TracebackType
@@ -294,11 +294,17 @@ class _Waiter:
 class _Release:
     """A release waiting for the poller's next round (or under way in it)."""
 
-    __slots__ = ("error", "event")
+    __slots__ = ("error", "event", "succeeded")
 
-    def __init__(self) -> None:
+    def __init__(self, *, succeeded: bool) -> None:
         self.event = anyio.Event()  # set when its transaction ended
         self.error: BaseException | None = None
+        self.succeeded = succeeded  # else its release does not count as a success
+
+
+def _failed(releases: dict[str, _Release]) -> list[str]:
+    """The leases of ``releases`` whose requests did not succeed."""
+    return [lease_id for lease_id, done in releases.items() if not done.succeeded]
 
 
 @final
@@ -418,6 +424,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         "_start_lock",
         "_started",
         "_tasks",
+        "_unsucceeded",
         "_version",
         "_waiters",
         "_wake_at",
@@ -555,6 +562,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         # Releases for the poller's next round, and those its round under way sends, by
         # lease id (a second release of the same lease waits for the first).
         self._releases: dict[str, _Release] = {}
+        self._unsucceeded: set[str] = set()  # not_succeeded() leases not yet released
         self._sending: dict[str, _Release] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # transactions running (see _run)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
@@ -638,6 +646,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._pending.clear()
         self._abandoned.clear()
         self._releases.clear()
+        self._unsucceeded.clear()
         self._sending.clear()
         self._tasks.clear()
         self._owner = str(uuid.uuid4())  # what the old loop left behind is a dead process's
@@ -727,7 +736,12 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 if (withdraw or releases) and started:
                     try:  # else the entries go stale, and the leases expire
                         await self._run(
-                            partial(self._cycle, withdraw=withdraw, release=list(releases))
+                            partial(
+                                self._cycle,
+                                withdraw=withdraw,
+                                release=list(releases),
+                                failed=_failed(releases),
+                            )
                         )
                         error = None
                     except Exception as exc:
@@ -869,6 +883,14 @@ class PostgresLimiter(BuiltinLimiter[W]):
             self._paused_until, self._backoffs, retry_after, time.time(), jitter
         )
         return self._paused_until, None
+
+    def not_succeeded(self, lease: SupportsLease) -> None:
+        """The request held by `lease` was cancelled or failed: its release is no success,
+        so an adaptive limit does not climb on it and a backoff does not start again from
+        a second. The slot lifecycle calls it just before releasing a slot whose body did
+        not complete."""
+        if _is_uuid(lease.lease_id):
+            self._unsucceeded.add(lease.lease_id)
 
     def observe_remaining(self, lease: SupportsLease, kind: str, remaining: int) -> None:
         """The provider says `remaining` requests or tokens (`kind`) are left of its
@@ -1019,7 +1041,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
         lease_id = lease.lease_id
         done = self._releases.get(lease_id) or self._sending.get(lease_id)
         if done is None:
-            done = self._releases[lease_id] = _Release()
+            succeeded = lease_id not in self._unsucceeded
+            self._unsucceeded.discard(lease_id)
+            done = self._releases[lease_id] = _Release(succeeded=succeeded)
         self._wake_poller()
         while True:
             with anyio.move_on_after(self.poll_interval):
@@ -1142,6 +1166,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             enqueue=batch,
             withdraw=withdraw,
             release=list(releases),
+            failed=_failed(releases),
             asked=asked,
             heartbeat=beat,
             alive=alive,
@@ -1543,6 +1568,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         enqueue: Sequence[_Waiter] = (),
         withdraw: Sequence[str] = (),
         release: Sequence[str] = (),
+        failed: Collection[str] = (),
         asked: list[str] | None = None,
         heartbeat: bool = False,
         alive: bool = False,
@@ -1558,7 +1584,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
         statement that sees everything committed before the lock was granted.
 
         ``enqueue`` joins the queue in that order; ``withdraw`` leaves it, giving back any
-        slot granted to those entries; ``alive`` says that this process still waits for
+        slot granted to those entries; ``release`` ends leases, of which ``failed`` are no
+        successes; ``alive`` says that this process still waits for
         its entries (the poller says so at every cycle).
 
         The rates and pushback state (buckets, pause, adaptive limit, the limits in force)
@@ -1713,9 +1740,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 pace.bank.learn(item.kind, item.limit, now)
             else:
                 pace.bank.observe(item.kind, item.remaining, now)
-        # [epoch, throttled] of each lease released here, in the order given.
-        for epoch, throttled in swept_row[-1] or ():
-            if throttled:
+        # [epoch, throttled, lease_id] of each lease released here, in the order given.
+        for epoch, throttled, lease_id in swept_row[-1] or ():
+            if throttled or lease_id in failed:
                 continue
             # A success: the backoff starts again from a second; an adaptive limit climbs.
             if pace.backoffs:
@@ -2198,7 +2225,7 @@ class _Queries:
             )
             SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM stale),
                    (SELECT count(*) FROM beat), (SELECT count(*) FROM dead),
-                   (SELECT json_agg(json_build_array(epoch, throttled)
+                   (SELECT json_agg(json_build_array(epoch, throttled, lease_id)
                                     ORDER BY array_position(%(release)s::uuid[], lease_id))
                     FROM gone WHERE lease_id = ANY(%(release)s::uuid[]))
             """
