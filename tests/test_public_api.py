@@ -3,7 +3,9 @@ offers says ``slotwise.X`` wherever it is defined."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import sys
 import types
 
 import pytest
@@ -56,3 +58,29 @@ def test_the_check_of_public_attributes_sees_the_submodules() -> None:
     # module named slotwise.memory, not by being forgotten.
     assert isinstance(slotwise.memory, types.ModuleType)
     assert slotwise.memory.__name__ == "slotwise.memory"
+
+
+@pytest.mark.parametrize("module", ["psycopg", "psycopg_pool"])
+def test_slotwise_postgres_without_psycopg_names_the_extra(
+    module: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cached = [
+        name
+        for name in sys.modules
+        if name == "slotwise.postgres" or name.startswith("slotwise.postgres.")
+    ]
+    for name in cached:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, module, None)
+    try:
+        with pytest.raises(ModuleNotFoundError) as raised:
+            importlib.import_module("slotwise.postgres")
+    finally:
+        # What the failed import left behind goes; monkeypatch puts the cached modules back.
+        for name in [n for n in sys.modules if n.startswith("slotwise.postgres")]:
+            if name not in cached:
+                del sys.modules[name]
+    assert "pip install 'slotwise[postgres]'" in str(raised.value)
+    assert raised.value.name == module
+    assert isinstance(raised.value.__cause__, ModuleNotFoundError)
+    assert raised.value.__cause__.name == module
