@@ -36,7 +36,9 @@ LIMITS: dict[str, Any] = {
     "max_concurrent": 3,
     "max_queued": 50,
     "workloads": {
-        "interactive": Workload(max_concurrent=1, reserved=1, priority=10, max_wait=60.0),
+        "interactive": Workload(
+            max_concurrent=1, reserved=1, priority=10, max_wait=60.0, max_queued=5
+        ),
         LONG: Workload(max_concurrent=2, max_wait=120.0),
     },
 }
@@ -44,7 +46,13 @@ STORED = {
     "max_concurrent": 3,
     "max_queued": 50,
     "workloads": {
-        "interactive": {"max_concurrent": 1, "reserved": 1, "priority": 10, "max_wait": 60.0},
+        "interactive": {
+            "max_concurrent": 1,
+            "reserved": 1,
+            "priority": 10,
+            "max_wait": 60.0,
+            "max_queued": 5,
+        },
         LONG: {"max_concurrent": 2, "reserved": 0, "priority": 0, "max_wait": 120.0},
     },
 }
@@ -239,8 +247,9 @@ async def test_the_table_fits_80_columns_one_line_a_row(
 
     assert row(r"claude +3/3 active · 3 queued \(max 50\) · 2 processes$")
     assert row(r"openai +1/2 active · 0 queued · 1 process$")
-    # Workloads: active/ceiling, queued, longest wait, reserved, priority, max wait.
-    assert row(r"interactive +1/1 +2 +\d+\.\ds +1 +10 +1m00s$")
+    # Workloads: active/ceiling, queued (/its own max_queued, when it has one), longest wait,
+    # reserved, priority, max wait.
+    assert row(r"interactive +1/1 +2/5 +\d+\.\ds +1 +10 +1m00s$"), out
     assert row(r"background-batch-jo… +2/2 +1 +\d+\.\ds +0 +0 +2m00s$"), out
     assert row(r"default +1/2 +0 +- +0 +0 +none$")
     assert row(r"Oldest waiter: interactive \d+\.\ds \(gives up in \d+s\), process \w{8}, ")

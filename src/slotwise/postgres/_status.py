@@ -363,10 +363,11 @@ def render(doc: dict[str, Any], *, note: str = "") -> Any:
             rule = rule if isinstance(rule, dict) else {}
             ceiling = rule.get("max_concurrent", "?") if rule else "?"
             max_wait = rule.get("max_wait")
+            bound = rule.get("max_queued")  # stored only when the workload has one
             grid.add_row(
                 workload if rule else f"{workload} (not in limits)",
                 f"{entry['active']}/{ceiling}",
-                str(entry["queued"]),
+                f"{entry['queued']}/{bound}" if bound is not None else str(entry["queued"]),
                 _seconds(entry["longest_wait"]),
                 str(rule.get("reserved", "-")),
                 str(rule.get("priority", "-")),
