@@ -85,6 +85,7 @@ def allocate(
     bank: Bank | None = None,
     cost: Callable[[E], Cost] | None = None,
     blocked: Callable[[E, list[str], float], object] | None = None,
+    shared_used: int | None = None,
 ) -> list[E]:
     """Return the queued requests to grant now, in grant order.
 
@@ -102,6 +103,7 @@ def allocate(
             keys of those buckets and the seconds until the decision about it can change:
             until its buckets hold its cost, or sooner until a limiter bucket it claims
             does (the claim lifts then); ``inf`` when it waits behind an earlier claim.
+        shared_used: ``shared_in_use(rules, active)``, when the caller keeps it up to date.
 
     Repeatedly, among the workloads that have room and waiters, the one with the highest
     priority is served (a tie goes to the head that has waited longest), until no workload
@@ -114,7 +116,8 @@ def allocate(
     only.
     """
     counts = dict(active)
-    shared_used = shared_in_use(rules, counts)
+    if shared_used is None:
+        shared_used = shared_in_use(rules, counts)
     rated = bank is not None and bool(bank)
     if len(queues) == 1 and not rated:
         # One workload waiting and no rates: its heads in order while it has room (the

@@ -574,7 +574,7 @@ class LimiterState:
     def _allocate(self, now: float) -> list[Ticket]:
         if not self.queued:
             return []
-        queues = {w: q.values() for w, q in self.queues.items()}
+        queues = {w: q.values() for w, q in self.queues.items() if q}
         if self.bank or self.paused_until != _NEVER:
             granted, self._refill_at = allocate_paced(
                 self.rules,
@@ -590,7 +590,9 @@ class LimiterState:
             )
         else:
             self._refill_at = math.inf
-            granted = allocate(self.rules, self.active, queues, _arrival)
+            granted = allocate(
+                self.rules, self.active, queues, _arrival, shared_used=self.shared_used
+            )
         for ticket in granted:
             del self.queues[ticket.workload][ticket.seq]
             self.queued -= 1
