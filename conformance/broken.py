@@ -321,6 +321,19 @@ class RenewsForThirtySeconds(SimpleLimiter):
         return Lease(lease_id=lease.lease_id, workload="default", expires_at=expires_at)
 
 
+class RenewsFromOldExpiry(SimpleLimiter):
+    """Renewing adds lease_ttl to the lease's expiry rather than to the time of the renewal
+    (``SET expires_at = expires_at + ttl``): a lease renewed often outlives its holder by
+    many lease_ttl."""
+
+    async def renew(self, lease: SupportsLease) -> Lease | None:
+        self._expire()
+        if lease.lease_id not in self._leases:
+            return None
+        expires_at = self._leases[lease.lease_id] = self._leases[lease.lease_id] + self._lifetime
+        return Lease(lease_id=lease.lease_id, workload="default", expires_at=expires_at)
+
+
 class ExpiresAtHalfTtl(SimpleLimiter):
     """Lets a lease (and each renewal) run for half of lease_ttl."""
 

@@ -101,7 +101,10 @@ FLAWS = {
         broken.FreesExpiredSlots, "renew_after_loss", "held at once", SIMPLE
     ),
     "renews_for_thirty_seconds": Flaw(
-        broken.RenewsForThirtySeconds, "lease_expiry", "after that renewal", SIMPLE
+        broken.RenewsForThirtySeconds, "lease_expiry", "after the last renewal", SIMPLE
+    ),
+    "renews_from_old_expiry": Flaw(
+        broken.RenewsFromOldExpiry, "lease_expiry", "after the last renewal", SIMPLE
     ),
     "expires_at_half_ttl": Flaw(broken.ExpiresAtHalfTtl, "lease_lifetime", "was gone", SIMPLE),
     "renew_loses_lease_on_cancel": Flaw(
