@@ -7,6 +7,7 @@ Timing is checked exactly on trio's MockClock; a few tests also run on asyncio i
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -27,6 +28,7 @@ from slotwise import (
 )
 from slotwise._core.adaptive import backoff_delay
 from slotwise._core.rates import Bucket, BucketRule
+from slotwise._runtime.loop import AsyncioLoop, TrioLoop
 
 pytestmark = pytest.mark.anyio
 
@@ -348,6 +350,40 @@ async def test_a_waiter_is_woken_when_its_bucket_refills_and_says_so() -> None:
         unsubscribe()
     acquired = [e for e in events if e.kind == "acquired"]
     assert [e.waited_for for e in acquired] == [(), ("requests",)]
+
+
+async def test_requests_waiting_for_a_refill_set_one_timer_between_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Twenty requests wait for an empty bucket: one of them (the clock watch of its thread)
+    sets a timer for the refill, the others none; it grants whichever the refill is for."""
+    timers: dict[object, float] = {}  # each task's latest wake-up time (inf: no timer)
+
+    def spy(original: Any) -> Any:
+        def park(self: Any, waker: Any, until: float) -> Any:
+            timers[anyio.get_current_task().id] = until
+            return original(self, waker, until)
+
+        return park
+
+    for loop_class in (AsyncioLoop, TrioLoop):
+        monkeypatch.setattr(loop_class, "park", spy(loop_class.park))
+    limiter = MemoryLimiter(name="rpm", max_concurrent=30, rate=Rate(requests=1, per=60.0))
+    async with limiter.slot():
+        pass  # the bucket is empty for a minute
+
+    async def request() -> None:
+        async with limiter.slot():
+            pass
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(20):
+            tg.start_soon(request)
+        await anyio.wait_all_tasks_blocked()
+        assert limiter.stats_nowait().queued == 20
+        assert len(timers) == 20
+        assert len([until for until in timers.values() if until != math.inf]) == 1
+        tg.cancel_scope.cancel()
 
 
 @on_mock_clock()
