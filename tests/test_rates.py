@@ -296,6 +296,25 @@ async def test_a_request_without_an_estimate_costs_no_tokens() -> None:
         assert limiter.stats_nowait().buckets["tokens"].level == 10
 
 
+async def test_a_request_without_an_estimate_waits_for_no_token_bucket() -> None:
+    """Not even for one spent below zero: a token rate paces only the requests that give an
+    estimate (max_wait=0: a request that would wait fails at once)."""
+    limiter = MemoryLimiter(
+        name="tpm",
+        max_concurrent=4,
+        rate=Rate(tokens=10, per=60.0),
+        workloads={"default": Workload(max_wait=0)},
+    )
+    async with limiter.slot(tokens=10) as slot:
+        slot.used_tokens(30)
+    assert limiter.stats_nowait().buckets["tokens"].level == pytest.approx(-20)
+    async with limiter.slot():
+        pass
+    with pytest.raises(ConcurrencyTimeoutError):
+        async with limiter.slot(tokens=1):
+            pytest.fail("the bucket is 20 tokens below zero")
+
+
 async def test_bad_token_counts_are_refused() -> None:
     limiter = MemoryLimiter(name="tpm", max_concurrent=4, rate=Rate(tokens=10))
     with pytest.raises(ConcurrencyConfigError, match="tokens must be None or a non-negative"):
