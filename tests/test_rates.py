@@ -7,6 +7,7 @@ Timing is checked exactly on trio's MockClock; a few tests also run on asyncio i
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -27,6 +28,7 @@ from slotwise import (
 )
 from slotwise._core.adaptive import backoff_delay
 from slotwise._core.rates import Bucket, BucketRule
+from slotwise._runtime.loop import AsyncioLoop, TrioLoop
 
 pytestmark = pytest.mark.anyio
 
@@ -294,6 +296,25 @@ async def test_a_request_without_an_estimate_costs_no_tokens() -> None:
         assert limiter.stats_nowait().buckets["tokens"].level == 10
 
 
+async def test_a_request_without_an_estimate_waits_for_no_token_bucket() -> None:
+    """Not even for one spent below zero: a token rate paces only the requests that give an
+    estimate (max_wait=0: a request that would wait fails at once)."""
+    limiter = MemoryLimiter(
+        name="tpm",
+        max_concurrent=4,
+        rate=Rate(tokens=10, per=60.0),
+        workloads={"default": Workload(max_wait=0)},
+    )
+    async with limiter.slot(tokens=10) as slot:
+        slot.used_tokens(30)
+    assert limiter.stats_nowait().buckets["tokens"].level == pytest.approx(-20)
+    async with limiter.slot():
+        pass
+    with pytest.raises(ConcurrencyTimeoutError):
+        async with limiter.slot(tokens=1):
+            pytest.fail("the bucket is 20 tokens below zero")
+
+
 async def test_bad_token_counts_are_refused() -> None:
     limiter = MemoryLimiter(name="tpm", max_concurrent=4, rate=Rate(tokens=10))
     with pytest.raises(ConcurrencyConfigError, match="tokens must be None or a non-negative"):
@@ -348,6 +369,40 @@ async def test_a_waiter_is_woken_when_its_bucket_refills_and_says_so() -> None:
         unsubscribe()
     acquired = [e for e in events if e.kind == "acquired"]
     assert [e.waited_for for e in acquired] == [(), ("requests",)]
+
+
+async def test_requests_waiting_for_a_refill_set_one_timer_between_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Twenty requests wait for an empty bucket: one of them (the clock watch of its thread)
+    sets a timer for the refill, the others none; it grants whichever the refill is for."""
+    timers: dict[object, float] = {}  # each task's latest wake-up time (inf: no timer)
+
+    def spy(original: Any) -> Any:
+        def park(self: Any, waker: Any, until: float) -> Any:
+            timers[anyio.get_current_task().id] = until
+            return original(self, waker, until)
+
+        return park
+
+    for loop_class in (AsyncioLoop, TrioLoop):
+        monkeypatch.setattr(loop_class, "park", spy(loop_class.park))
+    limiter = MemoryLimiter(name="rpm", max_concurrent=30, rate=Rate(requests=1, per=60.0))
+    async with limiter.slot():
+        pass  # the bucket is empty for a minute
+
+    async def request() -> None:
+        async with limiter.slot():
+            pass
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(20):
+            tg.start_soon(request)
+        await anyio.wait_all_tasks_blocked()
+        assert limiter.stats_nowait().queued == 20
+        assert len(timers) == 20
+        assert len([until for until in timers.values() if until != math.inf]) == 1
+        tg.cancel_scope.cancel()
 
 
 @on_mock_clock()
