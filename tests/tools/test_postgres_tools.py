@@ -72,16 +72,6 @@ async def test_the_global_limit_and_the_pool_are_admitted_together(
     await case_the_pair_is_admitted_atomically(make, slow_max_wait)
 
 
-def max_overlap(intervals: list[tuple[float, float]]) -> int:
-    # An end and a start at the same instant do not overlap.
-    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
-    peak = current = 0
-    for _, delta in events:
-        current += delta
-        peak = max(peak, current)
-    return peak
-
-
 def spawn(spec: dict[str, Any]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(Path(_pg_worker.__file__)), json.dumps(spec)],
@@ -98,35 +88,96 @@ def finish(proc: subprocess.Popen[str]) -> dict[str, Any]:
     return result
 
 
+Entry = tuple[int, str, str, str, str]  # worker, "+" or "-", tool, pool, call id
+
+
+def peak(entries: list[Entry]) -> int:
+    """The most handlers running at once, replaying (part of) the journal; every handler that
+    started has ended."""
+    running = top = 0
+    for entry in entries:
+        running += 1 if entry[1] == "+" else -1
+        top = max(top, running)
+    assert running == 0
+    return top
+
+
+# What each kind of call ends with: (error, effect) for tools that do not write and that do.
+ENDS: dict[str, dict[bool, tuple[str | None, str]]] = {
+    "sleep": {False: (None, "done"), True: (None, "done")},
+    "fail": {False: ("failed", "none"), True: ("failed", "unknown")},
+    "slow": {False: ("timed-out", "none"), True: ("timed-out", "unknown")},
+}
+
+
 async def test_two_processes_share_the_pools_of_one_toolbox_configuration(
-    tagged_dsn: str, schema: str
+    tagged_dsn: str, schema: str, tmp_path: Path
 ) -> None:
-    spec = {"dsn": tagged_dsn, "schema": schema, "name": "tools", "batches": 3, "calls": 16}
-    procs = [spawn({**spec, "seed": seed}) for seed in (1, 2)]
+    """Two processes, each running batches of tools that sleep, fail and time out, one batch
+    cancelled part-way, on one ToolBox configuration: the handlers running at once, counted
+    across both processes in their shared journal, never exceed a pool's ceiling nor the
+    global limit; each process's sequential calls never overlap and start in the order given;
+    every batch that ends has one result per call, in order; no slot is left."""
+    journal = tmp_path / "journal"
+    spec = {
+        "dsn": tagged_dsn,
+        "schema": schema,
+        "name": "tools",
+        "batches": 4,
+        "calls": 16,
+        "cancel": 2,
+        "journal": str(journal),
+    }
+    procs = [spawn({**spec, "seed": seed, "worker": worker}) for worker, seed in enumerate((1, 2))]
     outputs = [await anyio.to_thread.run_sync(finish, proc) for proc in procs]
-    intervals = [
-        (worker, pool, start, end)
-        for worker, output in enumerate(outputs)
-        for _, pool, start, end in output["intervals"]
-    ]
-    assert max_overlap([(s, e) for _, _, s, e in intervals]) == _pg_worker.MAX_CONCURRENT
+    entries: list[Entry] = [tuple(json.loads(line)) for line in journal.read_text().splitlines()]
+    tools = _pg_worker.TOOLS
+
+    # Limits, counted across both processes (the global one reached).
+    assert peak(entries) == _pg_worker.MAX_CONCURRENT
     for pool, ceiling in _pg_worker.POOLS.items():
-        assert max_overlap([(s, e) for _, p, s, e in intervals if p == pool]) <= ceiling
-    # The two processes ran at the same time: some of their calls overlapped.
-    firsts = [(s, e) for w, _, s, e in intervals if w == 0]
-    seconds = [(s, e) for w, _, s, e in intervals if w == 1]
-    assert any(s1 < e2 and s2 < e1 for s1, e1 in firsts for s2, e2 in seconds)
-    # Within each process, the sequential tool's calls never overlapped.
-    for output in outputs:
-        chain = [(s, e) for tool, _, s, e in output["intervals"] if tool == "update_customer"]
-        assert chain
-        assert max_overlap(chain) == 1
-    errors: dict[str, int] = {}
-    for output in outputs:
-        for key, count in output["errors"].items():
-            errors[key] = errors.get(key, 0) + count
-    assert sum(errors.values()) == 2 * 3 * 16
-    assert set(errors) <= {"none", "failed", "timed-out"}, errors
+        assert 1 <= peak([e for e in entries if e[3] == pool]) <= ceiling, pool
+    # The two processes ran at the same time: both had handlers running at some point.
+    running = {0: 0, 1: 0}
+    both = False
+    for worker, edge, *_ in entries:
+        running[worker] += 1 if edge == "+" else -1
+        both |= all(running.values())
+    assert both
+
+    kinds: set[str] = set()
+    for worker, output in enumerate(outputs):
+        mine = [e for e in entries if e[0] == worker]
+        # Within each process, the sequential calls never overlapped.
+        assert peak([e for e in mine if tools[e[2]][1]]) == 1
+        for number, batch in enumerate(output["batches"]):
+            plan = [tuple(call) for call in batch["calls"]]
+            ids = [call_id for call_id, _, _ in plan]
+            started = [e[4] for e in mine if e[1] == "+" and e[4] in ids]
+            assert len(started) == len(set(started))
+            # The sequential calls started in the order given.
+            chain = [call_id for call_id, name, _ in plan if tools[name][1]]
+            chained = [call_id for call_id in started if call_id in chain]
+            assert chained == chain[: len(chained)]
+            if number == spec["cancel"]:
+                # Cancelled part-way: some calls ran, the others never entered their handler.
+                assert batch["results"] is None
+                assert _pg_worker.CANCEL_AFTER <= len(started) < len(ids)
+                continue
+            assert sorted(started) == sorted(ids)
+            # One result per call, in the calls' order, each as its kind ends.
+            assert [r[0] for r in batch["results"]] == ids
+            for (call_id, name, kind), (_, error, effect, content) in zip(
+                plan, batch["results"], strict=True
+            ):
+                assert (error, effect) == ENDS[kind][tools[name][1]], (call_id, name, kind)
+                if error is None:
+                    assert content == call_id
+                kinds.add(kind)
+            assert len(chain) >= 2
+    assert kinds == set(_pg_worker.KINDS)
+
+    # No slot left: one left held would count here until its lease expired (lease_ttl, 30 s).
     async with _pg_worker.limiter_for(spec) as limiter:
         stats = await limiter.stats()
     assert (stats.active, stats.queued) == (0, 0)
