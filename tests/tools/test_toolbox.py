@@ -367,6 +367,32 @@ async def test_a_wait_in_the_limiters_queue_ends_at_the_bound_of_the_batch() -> 
 
 
 @on_mock_clock()
+async def test_a_sequential_calls_wait_counts_from_its_turn_in_the_chain() -> None:
+    box = box_of(
+        max_concurrent=4, default=Workload(), search=Workload(max_concurrent=1, max_wait=10.0)
+    )
+    activity, hog = Activity(), Activity()
+    counted(box, hog, "hog", pool="search", hold=20.0)
+    counted(box, activity, "write", pool="default", hold=7.0, sequential=True)
+    counted(box, activity, "index", pool="search", sequential=True)
+    counted(box, activity, "search", pool="search")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(box.run, calls("hog"))  # another run holds the search pool until t=20
+        await until(lambda: hog.total == 1)
+        with anyio.fail_after(50):
+            results = await box.run(calls("write", "write", "index", "search"))
+    # The parallel search waits 10 s from the batch's start and is refused; the sequential
+    # index's turn comes at 14 s, and it may wait 10 s from there: it gets the slot at 20 s.
+    assert [(r.error, round(r.wait_time)) for r in results] == [
+        (None, 0),
+        (None, 0),
+        (None, 6),
+        ("concurrency-limit", 10),
+    ]
+    assert activity.entered == ["c0", "c1", "c2"]
+
+
+@on_mock_clock()
 async def test_the_runs_budget_bounds_the_wait_and_the_run_raises() -> None:
     box = box_of(max_concurrent=1)
     activity = Activity()
