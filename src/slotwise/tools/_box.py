@@ -273,7 +273,8 @@ class ToolBox(Generic[W]):
           tool's pool; the calls of sequential tools form one chain, run one at a time in the
           given order, alongside them.
         - A call waits for its slot up to its pool's `max_wait` (a parallel call from the
-          start of the batch) or the run's budget; a pool with `max_wait=0` fails fast.
+          start of the batch, a sequential one from its turn in the chain) or the run's
+          budget; a pool with `max_wait=0` fails fast.
           Either way the result is `"concurrency-limit"`, and the call is never retried.
         - Unknown tools, arguments that do not fit the handler, and the calls beyond
           `max_calls_per_run` get error results and never take a slot.
