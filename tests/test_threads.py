@@ -360,6 +360,29 @@ def test_sync_slot_times_out_and_says_so() -> None:
     assert limiter.stats_nowait().queued == 0
 
 
+def test_a_sync_slot_held_past_its_lease_ttl_keeps_its_slot() -> None:
+    # Nothing renews a sync slot's lease: the slot itself keeps it valid while it is held,
+    # however long past lease_ttl, so no other thread is granted the limiter's only slot.
+    limiter = MemoryLimiter(name="held", max_concurrent=1, lease_ttl=0.1)
+    outcome: list[str] = []
+
+    def other_thread() -> None:
+        try:
+            with limiter.sync_slot(timeout=0.3):
+                outcome.append("granted while the slot was held")
+        except ConcurrencyTimeoutError:
+            outcome.append("timed out")
+
+    with limiter.sync_slot() as slot:
+        time.sleep(0.3)  # three times lease_ttl, with no renewal
+        run_threads([other_thread], timeout=30)
+        assert limiter.stats_nowait().active == 1
+        assert not slot.released
+    assert outcome == ["timed out"]
+    assert slot.released
+    assert limiter.stats_nowait().active == 0
+
+
 def test_sync_slot_without_a_limiter_limits_nothing() -> None:
     with slotwise.sync_slot() as slot:
         assert slot.limiter is None
