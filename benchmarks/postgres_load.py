@@ -54,9 +54,9 @@ BENCH_DB = "slotwise_bench"
 
 async def polling_acquire(limiter: PostgresLimiter[Any], request: AcquireRequest) -> Any:
     """Acquire as the reference implementation does: each waiter polls on its own."""
-    from slotwise.postgres._limiter import _Waiter
+    from slotwise.postgres._round import Waiter
 
-    waiter = _Waiter(request.workload, "r", 3600.0)
+    waiter = Waiter(request.workload, "r", 3600.0)
     entry_id = waiter.entry_id
     cycle = await limiter._run(partial(limiter._cycle, enqueue=[waiter], asked=[entry_id]))
     beat = anyio.current_time()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import random
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -358,6 +360,78 @@ def test_sync_slot_times_out_and_says_so() -> None:
     assert 0.09 <= waited < 5
     assert caught.value.limiter == "sync"
     assert limiter.stats_nowait().queued == 0
+
+
+def test_a_sync_slot_held_past_its_lease_ttl_keeps_its_slot() -> None:
+    # Nothing renews a sync slot's lease: the slot itself keeps it valid while it is held,
+    # however long past lease_ttl, so no other thread is granted the limiter's only slot.
+    limiter = MemoryLimiter(name="held", max_concurrent=1, lease_ttl=0.1)
+    outcome: list[str] = []
+
+    def other_thread() -> None:
+        try:
+            with limiter.sync_slot(timeout=0.3):
+                outcome.append("granted while the slot was held")
+        except ConcurrencyTimeoutError:
+            outcome.append("timed out")
+
+    with limiter.sync_slot() as slot:
+        time.sleep(0.3)  # three times lease_ttl, with no renewal
+        run_threads([other_thread], timeout=30)
+        assert limiter.stats_nowait().active == 1
+        assert not slot.released
+    assert outcome == ["timed out"]
+    assert slot.released
+    assert limiter.stats_nowait().active == 0
+
+
+def test_ctrl_c_interrupts_a_sync_wait_and_withdraws_its_request() -> None:
+    # What else ends a wait in a thread: an exception raised in it, here Ctrl-C (SIGINT) in
+    # the main thread while it is blocked waiting. The request leaves the queue, the wait is
+    # reported as cancelled, and the next request is served as if it had never waited.
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are delivered to the main thread only")
+    limiter = MemoryLimiter(name="ctrl-c", max_concurrent=1)
+    events: list[ConcurrencyEvent] = []
+    unsubscribe = limiter.subscribe(events.append)
+    held, done = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with limiter.sync_slot():
+            held.set()
+            done.wait(30)
+
+    def press_ctrl_c() -> None:
+        deadline = time.monotonic() + 10
+        while limiter.stats_nowait().queued < 1:
+            if time.monotonic() > deadline:
+                return  # never queued: the main thread's wait times out and fails the test
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGINT)  # delivered to the main thread, as Ctrl-C is
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(10)
+        presser = threading.Thread(target=press_ctrl_c)
+        presser.start()
+        with pytest.raises(KeyboardInterrupt), limiter.sync_slot(timeout=30):
+            pytest.fail("the body must not run")
+        presser.join(10)
+        assert limiter.stats_nowait().queued == 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        done.set()
+        thread.join(10)
+        unsubscribe()
+    assert [e.kind for e in events if e.kind.startswith("wait-")] == [
+        "wait-started",
+        "wait-started",
+        "wait-cancelled",
+    ]
+    with limiter.sync_slot(timeout=1):
+        assert limiter.stats_nowait().active == 1
 
 
 def test_sync_slot_without_a_limiter_limits_nothing() -> None:

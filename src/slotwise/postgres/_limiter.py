@@ -17,7 +17,6 @@ from types import TracebackType
 from typing import Any, ClassVar, Literal, TypeVar, final, overload
 
 import anyio
-import attrs
 import psycopg
 from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 from psycopg import sql
@@ -36,9 +35,7 @@ from .._config import (
     seconds,
     wait_timeout,
 )
-from .._core.adaptive import Aimd
 from .._core.rates import Bank
-from .._core.rules import Rules
 from .._core.state import (
     allocate_paced,
     carry_over,
@@ -58,7 +55,25 @@ from .._protocol import AcquireRequest, Lease, SupportsLease, W
 from .._runtime.lifecycle import SlotContext
 from .._stats import BucketStats, LimiterStats
 from ..memory import UNCHANGED, Unchanged
+from ._round import (
+    Charge,
+    Cycle,
+    Entry,
+    Learned,
+    Limit,
+    Observed,
+    Pushback,
+    Release,
+    Waiter,
+    cost_of,
+    enqueued_at,
+    entry_cost,
+    entry_key,
+    failed,
+)
 from ._schema import NEWEST_COLUMN, NEWEST_TABLE, channel_name, schema_ddl
+from ._sql import Queries, quote
+from ._stored import Pace, adaptive_params, limits_json, settings_kwargs, stored_limits
 
 __all__ = ("PostgresLimiter",)
 
@@ -81,230 +96,6 @@ _KEEPALIVE = {
     "keepalives_interval": 10,
     "keepalives_count": 3,
 }
-
-
-@attrs.frozen(kw_only=True)
-class _Entry:
-    """A queued request as the allocation sees it."""
-
-    entry_id: str
-    workload: str
-    key: tuple[int, int]  # (enqueued_at in microseconds, seq): who has waited longest
-    owner: str  # the process (limiter object) that waits for it
-    tokens: int = 0  # its token estimate
-    waited_for: tuple[str, ...] = ()  # the buckets it has had to wait for so far
-
-
-def _key(entry: _Entry) -> tuple[int, int]:
-    return entry.key
-
-
-def _cost(entry: _Entry) -> Mapping[str, int]:
-    return _cost_of(entry.tokens)
-
-
-def _cost_of(tokens: int) -> Mapping[str, int]:
-    return {"requests": 1, "tokens": tokens} if tokens else {"requests": 1}
-
-
-def _enqueued_at(entry: _Entry) -> float:
-    return entry.key[0] / 1e6
-
-
-@attrs.frozen(kw_only=True)
-class _Cycle:
-    """What one allocation transaction found and did."""
-
-    granted: dict[str, Lease]  # this process's entries that hold a lease now
-    present: frozenset[str]  # this process's asked-about entries still queued
-    queued: int  # live entries, ours included
-    # Entries enqueued by this cycle and dropped at once: "no-wait", or why the queue is
-    # full (max_queued, the limiter's or the workload's).
-    refused: dict[str, str] = attrs.field(factory=dict)
-    since: dict[str, datetime] = attrs.field(factory=dict)  # their enqueued_at (database)
-    # The stored limits are not this process's: nothing was allocated (releases and
-    # withdrawals were still applied); the waiters of this process fail with it.
-    error: ConcurrencyConfigError | None = None
-    settings: tuple[Settings, int] | None = None  # the limits in force, when they changed
-    changes: tuple[tuple[int, int, str], ...] = ()  # (old, new, reason) of the limit in force
-    wake: float | None = None  # seconds until time alone can grant something
-    paused_until: float = -math.inf  # database clock, seconds since the epoch
-    backoffs: int = 0
-
-
-# What a process learns from the provider between two of its transactions (the sync calls
-# of a held slot), stored by the next one.
-@attrs.frozen(kw_only=True)
-class _Pushback:
-    lease_id: str | None
-    retry_after: float | None
-    jitter: float
-
-
-@attrs.frozen(kw_only=True)
-class _Charge:
-    workload: str
-    units: int
-
-
-@attrs.frozen(kw_only=True)
-class _Observed:
-    kind: str
-    remaining: int
-
-
-@attrs.frozen(kw_only=True)
-class _Limit:
-    kind: str
-    limit: int
-
-
-_Learned = _Pushback | _Charge | _Observed | _Limit
-
-
-@attrs.define(kw_only=True, eq=False)
-class _Pace:
-    """The rates and pushback state stored with a limiter's row, loaded for one
-    transaction: the values that MemoryLimiter keeps in memory, changed by the same rules
-    (slotwise._core.state), on the database clock."""
-
-    bank: Bank
-    paused_until: float
-    backoffs: int
-    aimd: Aimd | None
-    dirty: bool = False  # changed: to be stored
-
-    @classmethod
-    def load(
-        cls,
-        settings: Settings,
-        buckets: Mapping[str, Any] | None,
-        paused_until: float | None,
-        backoffs: int | None,
-        adaptive: Mapping[str, Any] | None,
-    ) -> _Pace:
-        # Buckets not stored yet are full, as if they had been refilling forever.
-        bank = Bank(settings.rules.buckets, -math.inf)
-        for key, (level, updated, *learned) in (buckets or {}).items():
-            bucket = bank.buckets.get(key)
-            if bucket is not None:
-                if learned:  # a limit learned from the provider, and until when it stands
-                    bucket.learned, bucket.learned_until = map(float, learned)
-                bucket.level = min(float(level), bucket.capacity)
-                bucket.updated = float(updated)
-        aimd = None
-        if settings.adaptive is not None:
-            floor, ceiling = settings.adaptive.min_concurrent, settings.max_concurrent
-            stored = adaptive or {}
-            # A limiter with no adaptive state stored yet starts at the floor in slow start.
-            slow_start = bool(stored.get("slow_start", not stored and settings.adaptive.slow_start))
-            start = floor if slow_start else ceiling
-            aimd = Aimd(
-                floor=floor,
-                ceiling=ceiling,
-                backoff=settings.adaptive.backoff,
-                limit=min(max(int(stored.get("limit", start)), floor), ceiling),
-                epoch=int(stored.get("epoch", 0)),
-                credit=float(stored.get("credit", 0.0)),
-                slow_start=slow_start,
-            )
-        return cls(
-            bank=bank,
-            paused_until=-math.inf if paused_until is None else float(paused_until),
-            backoffs=int(backoffs or 0),
-            aimd=aimd,
-        )
-
-    def limit(self, settings: Settings) -> int:
-        """The limit in force."""
-        return settings.max_concurrent if self.aimd is None else self.aimd.limit
-
-    def rules(self, settings: Settings) -> Rules:
-        if self.aimd is None:
-            return settings.rules
-        return attrs.evolve(settings.rules, max_concurrent=self.aimd.limit)
-
-    def params(self) -> dict[str, Any]:
-        return {
-            "buckets": json.dumps(
-                {
-                    key: [bucket.level, bucket.updated]
-                    + (
-                        [bucket.learned, bucket.learned_until]
-                        if math.isfinite(bucket.learned)
-                        else []
-                    )
-                    for key, bucket in self.bank.buckets.items()
-                    if math.isfinite(bucket.updated)
-                }
-            ),
-            "paused_until": None if self.paused_until == -math.inf else self.paused_until,
-            "backoffs": self.backoffs,
-            "adaptive": None
-            if self.aimd is None
-            else json.dumps(
-                {
-                    "limit": self.aimd.limit,
-                    "epoch": self.aimd.epoch,
-                    "credit": self.aimd.credit,
-                    "slow_start": self.aimd.slow_start,
-                }
-            ),
-        }
-
-
-@final
-class _Waiter:
-    __slots__ = (
-        "entry_id",
-        "error",
-        "event",
-        "lease",
-        "refused",
-        "request_id",
-        "since",
-        "tokens",
-        "until",
-        "wait",
-        "workload",
-    )
-
-    def __init__(
-        self,
-        workload: str,
-        request_id: str,
-        wait: float,
-        since: datetime | None = None,
-        tokens: int = 0,
-    ) -> None:
-        self.entry_id = str(uuid.uuid4())
-        self.workload = workload
-        self.request_id = request_id
-        self.tokens = tokens  # its token estimate, charged at grant
-        self.wait = wait  # seconds it may wait, from when it is enqueued
-        self.until = anyio.current_time() + wait  # when it stops waiting
-        self.since = since  # enqueued_at in the database: a request queued again keeps it
-        self.event = anyio.Event()
-        self.lease: Lease | None = None
-        self.error: BaseException | None = None
-        self.refused = False  # the allocation dropped its entry at once (set with event)
-
-
-@final
-class _Release:
-    """A release waiting for the poller's next round (or under way in it)."""
-
-    __slots__ = ("error", "event", "succeeded")
-
-    def __init__(self, *, succeeded: bool) -> None:
-        self.event = anyio.Event()  # set when its transaction ended
-        self.error: BaseException | None = None
-        self.succeeded = succeeded  # else its release does not count as a success
-
-
-def _failed(releases: dict[str, _Release]) -> list[str]:
-    """The leases of ``releases`` whose requests did not succeed."""
-    return [lease_id for lease_id, done in releases.items() if not done.succeeded]
 
 
 @final
@@ -547,23 +338,23 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._listen = listen
         self.synchronous_commit = bool(synchronous_commit)
         self.db_timeout = float(db_timeout)
-        self._settings_json = json.dumps(_stored_limits(self._settings), sort_keys=True)
+        self._settings_json = json.dumps(stored_limits(self._settings), sort_keys=True)
         self._channel = channel_name(schema)
         self._owner = str(uuid.uuid4())
-        self._q = _Queries(schema)
+        self._q = Queries(schema)
         self._started = False
         self._start_lock: asyncio.Lock | None = None
         self._closing: anyio.Event | None = None  # set when an aclose() under way ends
-        self._waiters: dict[str, _Waiter] = {}  # local requests waiting, by queue entry
-        self._pending: dict[str, _Waiter] = {}  # those not yet enqueued, in arrival order
+        self._waiters: dict[str, Waiter] = {}  # local requests waiting, by queue entry
+        self._pending: dict[str, Waiter] = {}  # those not yet enqueued, in arrival order
         # Entries of requests that ended without their lease, with when: the poller drops
         # them, and gives back any slot granted to them.
         self._abandoned: dict[str, float] = {}
         # Releases for the poller's next round, and those its round under way sends, by
         # lease id (a second release of the same lease waits for the first).
-        self._releases: dict[str, _Release] = {}
+        self._releases: dict[str, Release] = {}
         self._unsucceeded: set[str] = set()  # not_succeeded() leases not yet released
-        self._sending: dict[str, _Release] = {}
+        self._sending: dict[str, Release] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # transactions running (see _run)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
         self._poller: asyncio.Task[None] | None = None
@@ -582,7 +373,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._version = 0
         # Pushback, token corrections and the provider's remaining counts, learned by sync
         # calls of held slots and stored by this process's next transaction.
-        self._learned: list[_Learned] = []
+        self._learned: list[Learned] = []
         self._applying: anyio.Event | None = None  # set when that transaction ended
         self._flusher: asyncio.Task[None] | None = None
         self._flush_kick: anyio.Event | None = None
@@ -740,7 +531,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
                                 self._cycle,
                                 withdraw=withdraw,
                                 release=list(releases),
-                                failed=_failed(releases),
+                                failed=failed(releases),
                             )
                         )
                         error = None
@@ -791,7 +582,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         if version != self._version:
             self._adopt(self._settings_from(limits), version)
         settings = self._settings
-        pace = _Pace.load(settings, buckets, paused, backoffs, adaptive)
+        pace = Pace.load(settings, buckets, paused, backoffs, adaptive)
         pace.bank.refill(now)
         return self._stats(
             active,
@@ -878,7 +669,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         retry_after = retry_after_seconds(retry_after)
         jitter = random.uniform(0.75, 1.25)
         lease_id = None if lease is None or not _is_uuid(lease.lease_id) else lease.lease_id
-        self._push(_Pushback(lease_id=lease_id, retry_after=retry_after, jitter=jitter), True)
+        self._push(Pushback(lease_id=lease_id, retry_after=retry_after, jitter=jitter), True)
         self._paused_until, self._backoffs = pause(
             self._paused_until, self._backoffs, retry_after, time.time(), jitter
         )
@@ -898,7 +689,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         than that (it is lowered, never raised). Stored by this process's next transaction,
         within `poll_interval`. `Slot.provider_remaining()` calls it."""
         if kind in self._settings.rules.buckets:
-            self._push(_Observed(kind=kind, remaining=remaining), False)
+            self._push(Observed(kind=kind, remaining=remaining), False)
 
     def observe_limit(self, lease: SupportsLease, kind: str, limit: int) -> None:
         """The provider says its limit of `kind` (requests or tokens) is `limit` a minute:
@@ -908,7 +699,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         this process's next transaction, within `poll_interval`. `Slot.provider_limits()`
         calls it."""
         if kind in self._settings.rules.buckets:
-            self._push(_Limit(kind=kind, limit=limit), False)
+            self._push(Limit(kind=kind, limit=limit), False)
 
     def charge_tokens(self, lease: SupportsLease, tokens: int) -> None:
         """Charge `tokens` more to the token buckets of `lease`'s workload and of the limiter
@@ -916,7 +707,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         by this process's next transaction (the slot's release, or within
         `poll_interval`)."""
         if any(rule.kind == "tokens" for rule in self._settings.rules.buckets.values()):
-            self._push(_Charge(workload=lease.workload, units=tokens), False)
+            self._push(Charge(workload=lease.workload, units=tokens), False)
 
     # -- the Limiter protocol -------------------------------------------------------------
 
@@ -944,7 +735,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self._check_loop()
         tokens = request.tokens
         if tokens and self._settings.rules.buckets:
-            check_cost(Bank(self._settings.rules.buckets, 0.0), workload, _cost_of(tokens))
+            check_cost(Bank(self._settings.rules.buckets, 0.0), workload, cost_of(tokens))
         started = anyio.current_time()
         end = math.inf if request.deadline is None else request.deadline
         max_wait = self._settings.workloads[workload].max_wait
@@ -994,14 +785,14 @@ class PostgresLimiter(BuiltinLimiter[W]):
         wait: float,
         since: datetime | None = None,
         tokens: int = 0,
-    ) -> _Waiter:
+    ) -> Waiter:
         """Queue a request in this process, in call order (nothing awaits before this)."""
-        waiter = _Waiter(workload, request_id, wait, since, tokens)
+        waiter = Waiter(workload, request_id, wait, since, tokens)
         self._waiters[waiter.entry_id] = waiter
         self._pending[waiter.entry_id] = waiter
         return waiter
 
-    def _abandon(self, waiter: _Waiter) -> None:
+    def _abandon(self, waiter: Waiter) -> None:
         """A request ended without taking its lease: leave the queue, and give back a slot
         granted to it, in the poller's next cycle (woken now)."""
         self._waiters.pop(waiter.entry_id, None)
@@ -1043,7 +834,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         if done is None:
             succeeded = lease_id not in self._unsucceeded
             self._unsucceeded.discard(lease_id)
-            done = self._releases[lease_id] = _Release(succeeded=succeeded)
+            done = self._releases[lease_id] = Release(succeeded=succeeded)
         self._wake_poller()
         while True:
             with anyio.move_on_after(self.poll_interval):
@@ -1152,10 +943,10 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     async def _poll_cycle(
         self,
-        batch: list[_Waiter],
+        batch: list[Waiter],
         withdraw: list[str],
         asked: list[str],
-        releases: dict[str, _Release],
+        releases: dict[str, Release],
     ) -> None:
         began = anyio.current_time()
         beat = began - self._beat_at >= self._queue_entry_ttl / 3
@@ -1166,7 +957,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             enqueue=batch,
             withdraw=withdraw,
             release=list(releases),
-            failed=_failed(releases),
+            failed=failed(releases),
             asked=asked,
             heartbeat=beat,
             alive=alive,
@@ -1278,7 +1069,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     # -- what held slots learn from the provider -------------------------------------------
 
-    def _push(self, item: _Learned, urgent: bool) -> None:
+    def _push(self, item: Learned, urgent: bool) -> None:
         """Keep ``item`` for this process's next transaction, and make sure one comes: at
         once when ``urgent`` (a pause), else within ``poll_interval`` (the slot's release
         usually comes first and stores it)."""
@@ -1294,7 +1085,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     async def _flush(self) -> None:
         while self._learned:
-            if not any(isinstance(item, _Pushback) for item in self._learned):
+            if not any(isinstance(item, Pushback) for item in self._learned):
                 self._flush_kick = anyio.Event()
                 with anyio.move_on_after(self.poll_interval):
                     await self._flush_kick.wait()
@@ -1313,7 +1104,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 return
             self._deliver(cycle.granted)
 
-    async def _run_cycle(self, *, retry: bool = True, **kwargs: Any) -> _Cycle:
+    async def _run_cycle(self, *, retry: bool = True, **kwargs: Any) -> Cycle:
         """One allocation cycle (`_cycle`) in its own transaction, storing what this process
         learned from the provider since its last one; then what it found is applied here.
 
@@ -1340,7 +1131,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             self._settle(cycle)
         return cycle
 
-    def _settle(self, cycle: _Cycle) -> None:
+    def _settle(self, cycle: Cycle) -> None:
         """After a cycle's commit: take the limits in force, arm the poller for the next
         refill or the end of a pause, report changes of the limit."""
         if cycle.settings is not None:
@@ -1368,7 +1159,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 )
             elif waiter.tokens:
                 # A bucket made smaller than its estimate: it fails as it would at once.
-                error = cost_error(bank, waiter.workload, _cost_of(waiter.tokens))
+                error = cost_error(bank, waiter.workload, cost_of(waiter.tokens))
             else:
                 error = None
             if error is not None:
@@ -1383,7 +1174,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         with this process's own lease_ttl and, if it still exists, default workload."""
         if limits is None:
             return self._base
-        kwargs = _settings_kwargs(limits)
+        kwargs = settings_kwargs(limits)
         default = self._settings.default_workload or self._base.default_workload
         if default not in kwargs["workloads"]:
             default = None
@@ -1493,12 +1284,12 @@ class PostgresLimiter(BuiltinLimiter[W]):
     async def _schema_state(self, conn: Conn) -> tuple[bool, bool]:
         """Whether the tables exist, and whether they have this version's columns."""
         table, column = NEWEST_COLUMN
-        tables = f"{_quote(self.schema)}.{table}"
+        tables = f"{quote(self.schema)}.{table}"
         cur = await conn.execute(
             "SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL AND EXISTS ("
             "SELECT 1 FROM pg_attribute "
             "WHERE attrelid = to_regclass(%s) AND attname = %s AND NOT attisdropped)",
-            [tables, f"{_quote(self.schema)}.{NEWEST_TABLE}", tables, column],
+            [tables, f"{quote(self.schema)}.{NEWEST_TABLE}", tables, column],
             prepare=False,
         )
         row = await cur.fetchone()
@@ -1565,16 +1356,16 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self,
         conn: Conn,
         *,
-        enqueue: Sequence[_Waiter] = (),
+        enqueue: Sequence[Waiter] = (),
         withdraw: Sequence[str] = (),
         release: Sequence[str] = (),
         failed: Collection[str] = (),
         asked: list[str] | None = None,
         heartbeat: bool = False,
         alive: bool = False,
-        pending: Sequence[_Learned] = (),
+        pending: Sequence[Learned] = (),
         change: Callable[[Settings], Settings] | None = None,
-    ) -> _Cycle:
+    ) -> Cycle:
         """One allocation: lock, sweep, load, ``allocate``, grant; inside the caller's
         transaction.
 
@@ -1604,7 +1395,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             {"settings": self._settings_json, "name": name, "version": self._version},
             prepare=False,
         )
-        refused_leases = [p.lease_id for p in pending if isinstance(p, _Pushback) and p.lease_id]
+        refused_leases = [p.lease_id for p in pending if isinstance(p, Pushback) and p.lease_id]
         marked = None
         if refused_leases:  # before the sweep, which deletes a lease being released
             marked = await conn.execute(
@@ -1681,7 +1472,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             try:
                 self._check_lock(locked_row)
             except ConcurrencyConfigError as exc:
-                return _Cycle(granted={}, present=frozenset(), queued=0, error=exc)
+                return Cycle(granted={}, present=frozenset(), queued=0, error=exc)
         self._check_lock(locked_row)
         assert locked_row is not None
         state_row = locked_row[2:]
@@ -1704,7 +1495,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         adopted = version != self._version
         if adopted:
             settings = self._settings_from(limits)
-        pace = _Pace.load(settings, buckets, paused, backoffs, adaptive)
+        pace = Pace.load(settings, buckets, paused, backoffs, adaptive)
         changes: list[tuple[int, int, str]] = []
         if change is not None:
             old_limit = pace.limit(settings)
@@ -1712,18 +1503,18 @@ class PostgresLimiter(BuiltinLimiter[W]):
             version += 1
             adopted = True
             pace.bank = carry_over(pace.bank, settings.rules, now)
-            pace.aimd, _ = readapt(pace.aimd, settings.rules, _adaptive(settings))
+            pace.aimd, _ = readapt(pace.aimd, settings.rules, adaptive_params(settings))
             pace.dirty = True
             await conn.execute(
                 q.store_limits,
-                {"name": name, "limits": json.dumps(_limits(settings)), "version": version},
+                {"name": name, "limits": json.dumps(limits_json(settings)), "version": version},
                 prepare=False,
             )
             if pace.limit(settings) != old_limit:
                 changes.append((old_limit, pace.limit(settings), "set_limits"))
         for item in pending:
             pace.dirty = True
-            if isinstance(item, _Pushback):
+            if isinstance(item, Pushback):
                 pace.paused_until, pace.backoffs = pause(
                     pace.paused_until, pace.backoffs, item.retry_after, now, item.jitter
                 )
@@ -1733,10 +1524,10 @@ class PostgresLimiter(BuiltinLimiter[W]):
                     new_limit = pace.aimd.pushback(epoch)
                     if new_limit is not None:
                         changes.append((old_limit, new_limit, "pushback"))
-            elif isinstance(item, _Charge):
+            elif isinstance(item, Charge):
                 pace.bank.refill(now)
                 pace.bank.give(item.workload, "tokens", item.units)
-            elif isinstance(item, _Limit):
+            elif isinstance(item, Limit):
                 pace.bank.learn(item.kind, item.limit, now)
             else:
                 pace.bank.observe(item.kind, item.remaining, now)
@@ -1760,15 +1551,15 @@ class PostgresLimiter(BuiltinLimiter[W]):
         # then on_conflict="replace", or set_limits() dropped it) count until released or
         # expired, as a workload that can take nothing more.
         rules = retire(pace.rules(settings), active)
-        queues: dict[str, list[_Entry]] = {}
+        queues: dict[str, list[Entry]] = {}
         for entry_id, workload, micros, seq, owner, tokens, waited in head_rows or []:
             # An entry of a workload that is gone, or too large for a bucket made smaller,
             # takes and claims nothing: its process fails it when it adopts these limits.
             if workload in settings.workloads and (
-                not tokens or cost_error(pace.bank, workload, _cost_of(tokens)) is None
+                not tokens or cost_error(pace.bank, workload, cost_of(tokens)) is None
             ):
                 queues.setdefault(workload, []).append(
-                    _Entry(
+                    Entry(
                         entry_id=entry_id,
                         workload=workload,
                         key=(micros, seq),
@@ -1782,12 +1573,12 @@ class PostgresLimiter(BuiltinLimiter[W]):
             rules,
             active,
             queues,
-            _key,
+            entry_key,
             now=now,
             bank=pace.bank,
             paused_until=pace.paused_until,
-            cost=_cost,
-            enqueued_at=_enqueued_at,
+            cost=entry_cost,
+            enqueued_at=enqueued_at,
             waited=lambda entry, keys: waits.setdefault(entry.entry_id, set()).update(keys),
         )
         if grants and pace.bank:
@@ -1884,7 +1675,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         if pace.dirty:
             await conn.execute(q.save_state, {"name": name, **pace.params()}, prepare=False)
         wake = paced_wake(refill_at, pace.paused_until, now)
-        return _Cycle(
+        return Cycle(
             granted=granted,
             present=frozenset(str(e) for e in present_rows or []),
             queued=queued,
@@ -1987,96 +1778,6 @@ def _require_asyncio() -> None:
         ) from None
 
 
-def _stored_limits(settings: Settings) -> dict[str, Any]:
-    """The limits every process sharing a name must agree on (lease and entry TTLs, the
-    default workload and poll interval are each process's own). Settings that came later
-    (rates, pushback, per-workload queue bounds) appear only when set, so that limits
-    stored by an earlier version still agree."""
-    workloads: dict[str, Any] = {}
-    for name, rule in settings.rules.workloads.items():
-        workload = settings.workloads[name]
-        stored = workloads[name] = {
-            "max_concurrent": rule.ceiling,
-            "reserved": rule.reserved,
-            "priority": rule.priority,
-            "max_wait": workload.max_wait,
-        }
-        if workload.max_queued is not None:
-            stored["max_queued"] = workload.max_queued
-        if workload.rate is not None:
-            stored["rate"] = _rate_json(workload.rate)
-    limits: dict[str, Any] = {
-        "max_concurrent": settings.max_concurrent,
-        "max_queued": settings.max_queued,
-        "workloads": workloads,
-    }
-    if settings.rate is not None:
-        limits["rate"] = _rate_json(settings.rate)
-    if settings.adaptive is not None:
-        limits["adaptive"] = _adaptive_json(settings.adaptive)
-    return limits
-
-
-def _limits(settings: Settings) -> dict[str, Any]:
-    """The limits set by `set_limits()`, as stored for every process (each keeps its own
-    lease_ttl and default workload): the settings as given, a workload's ceiling None when
-    it follows the limiter's."""
-    return {
-        "max_concurrent": settings.max_concurrent,
-        "max_queued": settings.max_queued,
-        "workloads": {
-            name: {
-                "max_concurrent": w.max_concurrent,
-                "reserved": w.reserved,
-                "priority": w.priority,
-                "max_wait": w.max_wait,
-                "max_queued": w.max_queued,
-                "rate": None if w.rate is None else _rate_json(w.rate),
-            }
-            for name, w in settings.workloads.items()
-        },
-        "rate": None if settings.rate is None else _rate_json(settings.rate),
-        "adaptive": None if settings.adaptive is None else _adaptive_json(settings.adaptive),
-    }
-
-
-def _settings_kwargs(limits: Mapping[str, Any]) -> dict[str, Any]:
-    """`build_settings` keywords from `_limits()`."""
-
-    def rate(stored: Mapping[str, Any] | None) -> Rate | None:
-        return None if stored is None else Rate(**stored)
-
-    return {
-        "max_concurrent": limits["max_concurrent"],
-        "max_queued": limits["max_queued"],
-        "workloads": {
-            name: Workload(**{**w, "rate": rate(w.get("rate"))})
-            for name, w in limits["workloads"].items()
-        },
-        "rate": rate(limits.get("rate")),
-        "adaptive": None if limits.get("adaptive") is None else Adaptive(**limits["adaptive"]),
-    }
-
-
-def _rate_json(rate: Rate) -> dict[str, Any]:
-    return {"requests": rate.requests, "tokens": rate.tokens, "per": float(rate.per)}
-
-
-def _adaptive_json(adaptive: Adaptive) -> dict[str, Any]:
-    stored: dict[str, Any] = {
-        "min_concurrent": adaptive.min_concurrent,
-        "backoff": float(adaptive.backoff),
-    }
-    if adaptive.slow_start:  # stored only when set: limits stored without it still match
-        stored["slow_start"] = True
-    return stored
-
-
-def _adaptive(settings: Settings) -> tuple[int, float] | None:
-    adaptive = settings.adaptive
-    return None if adaptive is None else (adaptive.min_concurrent, adaptive.backoff)
-
-
 async def _resolve(value: Any) -> Any:
     """A pool's conninfo or kwargs: a value, or a (possibly async) callable returning one."""
     if callable(value):
@@ -2092,263 +1793,3 @@ def _is_uuid(text: str) -> bool:
     except (ValueError, TypeError, AttributeError):
         return False
     return True
-
-
-def _quote(identifier: str) -> str:
-    return '"' + identifier.replace('"', '""') + '"'
-
-
-@final
-class _Queries:
-    """The statements, with the schema quoted in; every value is a bound parameter."""
-
-    __slots__ = (
-        "alive",
-        "count_workloads",
-        "drop_entries",
-        "enqueue",
-        "fetch_mine",
-        "grant",
-        "insert_limiter",
-        "load",
-        "lock_limiter",
-        "lock_state",
-        "mark_throttled",
-        "mark_waited",
-        "renew",
-        "replace_limits",
-        "save_state",
-        "state",
-        "stats",
-        "store_limits",
-        "sweep",
-        "timeouts",
-    )
-
-    def __init__(self, schema: str) -> None:
-        # Rendered to bytes once: psycopg then converts each statement's placeholders once
-        # per process (its cache is keyed by the query's bytes), not at every execution.
-        def q(text: str) -> bytes:
-            return sql.SQL(text).format(s=sql.Identifier(schema)).as_bytes(None)
-
-        self.insert_limiter = q(
-            "INSERT INTO {s}.limiters (name, settings) VALUES (%s, %s::jsonb) "
-            "ON CONFLICT (name) DO NOTHING"
-        )
-        self.lock_limiter = q(
-            "SELECT settings = %s::jsonb, settings FROM {s}.limiters WHERE name = %s FOR UPDATE"
-        )
-        # New limits deployed: those set at run time by set_limits() go too.
-        self.replace_limits = q(
-            "UPDATE {s}.limiters SET settings = %s::jsonb, updated_at = clock_timestamp(), "
-            "limits = NULL, limits_version = limits_version + 1 WHERE name = %s"
-        )
-        self.timeouts = q(
-            "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)"
-        )
-        # The rates and pushback state, and the limits in force when they are not those
-        # this process last saw; with the row lock and the check of lock_limiter.
-        state = """
-            buckets, extract(epoch FROM paused_until)::float8, backoffs, adaptive,
-            limits_version, CASE WHEN limits_version <> %(version)s THEN limits END,
-            extract(epoch FROM clock_timestamp())::float8
-            FROM {s}.limiters WHERE name = %(name)s
-        """
-        self.state = q("SELECT " + state)
-        self.lock_state = q(
-            "SELECT settings = %(settings)s::jsonb, settings, " + state + " FOR UPDATE"
-        )
-        self.save_state = q(
-            """
-            UPDATE {s}.limiters
-            SET buckets = %(buckets)s::jsonb,
-                paused_until = to_timestamp(%(paused_until)s::float8),
-                backoffs = %(backoffs)s, adaptive = %(adaptive)s::jsonb
-            WHERE name = %(name)s
-            """
-        )
-        self.store_limits = q(
-            "UPDATE {s}.limiters SET limits = %(limits)s::jsonb, "
-            "limits_version = %(version)s WHERE name = %(name)s"
-        )
-        self.mark_throttled = q(
-            """
-            UPDATE {s}.leases SET throttled = true
-            WHERE lease_id = ANY(%(leases)s::uuid[]) AND limiter = %(name)s
-            RETURNING lease_id::text, epoch
-            """
-        )
-        self.mark_waited = q(
-            """
-            UPDATE {s}.queue q SET waited_for = ARRAY(SELECT jsonb_array_elements_text(b.value))
-            FROM jsonb_each(%s::jsonb) AS b
-            WHERE q.entry_id = b.key::uuid
-            """
-        )
-        # The live entries of these workloads waiting before the batch being enqueued.
-        self.count_workloads = q(
-            """
-            SELECT workload, count(*)::int FROM {s}.queue
-            WHERE limiter = %(name)s AND workload = ANY(%(workloads)s::text[])
-              AND NOT entry_id = ANY(%(fresh)s::uuid[]) AND stale_at > clock_timestamp()
-              AND (deadline IS NULL OR deadline > clock_timestamp())
-            GROUP BY workload
-            """
-        )
-        # Expired leases (and the one being released) go; so do other processes' entries
-        # that are stale or past their deadline, and this process's withdrawn entries with
-        # any slot granted to them. The entries this process still waits for are refreshed.
-        self.sweep = q(
-            """
-            WITH gone AS (
-                DELETE FROM {s}.leases
-                WHERE limiter = %(name)s
-                  AND (expires_at <= clock_timestamp() OR lease_id = ANY(%(release)s::uuid[])
-                       OR (entry_id = ANY(%(withdraw)s::uuid[]) AND owner = %(owner)s::uuid))
-                RETURNING lease_id, epoch, throttled
-            ), stale AS (
-                DELETE FROM {s}.queue
-                WHERE limiter = %(name)s
-                  AND ((owner <> %(owner)s::uuid
-                        AND (stale_at <= clock_timestamp() OR deadline <= clock_timestamp()))
-                       OR (entry_id = ANY(%(withdraw)s::uuid[]) AND owner = %(owner)s::uuid))
-                RETURNING 1
-            ), beat AS (
-                UPDATE {s}.queue
-                SET stale_at = clock_timestamp() + make_interval(secs => %(entry_ttl)s)
-                WHERE %(beat)s AND entry_id = ANY(%(asked)s::uuid[]) AND owner = %(owner)s::uuid
-                RETURNING 1
-            ), dead AS (
-                DELETE FROM {s}.owners
-                WHERE %(beat)s AND alive_until < clock_timestamp() - interval '1 hour'
-                RETURNING 1
-            )
-            SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM stale),
-                   (SELECT count(*) FROM beat), (SELECT count(*) FROM dead),
-                   (SELECT json_agg(json_build_array(epoch, throttled, lease_id)
-                                    ORDER BY array_position(%(release)s::uuid[], lease_id))
-                    FROM gone WHERE lease_id = ANY(%(release)s::uuid[]))
-            """
-        )
-        self.alive = q(
-            "INSERT INTO {s}.owners (owner, alive_until) "
-            "VALUES (%s, clock_timestamp() + make_interval(secs => %s)) "
-            "ON CONFLICT (owner) DO UPDATE SET alive_until = EXCLUDED.alive_until"
-        )
-        # A batch, in its order; an entry queued again keeps its enqueued_at (`since`).
-        self.enqueue = q(
-            """
-            INSERT INTO {s}.queue (entry_id, limiter, workload, owner, request_id,
-                                   enqueued_at, deadline, stale_at, lease_ttl, tokens)
-            SELECT e.entry_id, %(name)s, e.workload, %(owner)s, e.request_id,
-                   coalesce(e.since, clock_timestamp()),
-                   clock_timestamp() + make_interval(secs => e.wait),
-                   clock_timestamp() + make_interval(secs => %(entry_ttl)s),
-                   %(lease_ttl)s, e.tokens
-            FROM unnest(%(entries)s::uuid[], %(workloads)s::text[], %(request_ids)s::text[],
-                        %(waits)s::float8[], %(since)s::timestamptz[], %(tokens)s::bigint[])
-                 WITH ORDINALITY AS e(entry_id, workload, request_id, wait, since, tokens, n)
-            ORDER BY e.n
-            RETURNING entry_id::text, enqueued_at
-            """
-        )
-        # The snapshot the allocation needs: active leases per workload, the number of live
-        # entries, the first max_concurrent live entries of each workload (no more can be
-        # granted at once) among those of processes that still say they wait (a process
-        # that died is granted nothing more), and the leases already granted to the entries
-        # asked about.
-        self.load = q(
-            """
-            WITH live AS (
-                SELECT entry_id, workload, enqueued_at, seq, owner, tokens, waited_for
-                FROM {s}.queue
-                WHERE limiter = %(name)s AND stale_at > clock_timestamp()
-                  AND (deadline IS NULL OR deadline > clock_timestamp()
-                       OR entry_id = ANY(%(fresh)s::uuid[]))
-            )
-            SELECT
-                (SELECT json_object_agg(workload, n) FROM (
-                    SELECT workload, count(*) AS n FROM {s}.leases
-                    WHERE limiter = %(name)s GROUP BY workload) a),
-                (SELECT count(*) FROM live),
-                (SELECT json_agg(json_build_array(entry_id, workload, micros, seq, owner,
-                                                  tokens, waited_for)
-                                 ORDER BY micros, seq)
-                 FROM (SELECT entry_id, workload, seq, owner, tokens, waited_for,
-                              (extract(epoch FROM enqueued_at) * 1000000)::bigint AS micros,
-                              row_number() OVER (PARTITION BY workload
-                                                 ORDER BY enqueued_at, seq) AS rank
-                       FROM live
-                       WHERE owner = %(owner)s::uuid OR owner IN (
-                           SELECT owner FROM {s}.owners
-                           WHERE alive_until > clock_timestamp())) h
-                 WHERE rank <= %(heads)s),
-                (SELECT json_agg(json_build_array(entry_id, lease_id, workload,
-                                                  extract(epoch FROM expires_at), waited_for))
-                 FROM {s}.leases
-                 WHERE entry_id = ANY(%(asked)s::uuid[]) AND expires_at > clock_timestamp()),
-                (SELECT json_agg(entry_id) FROM {s}.queue
-                 WHERE entry_id = ANY(%(asked)s::uuid[])),
-                extract(epoch FROM clock_timestamp())::float8
-            """
-        )
-        self.drop_entries = q("DELETE FROM {s}.queue WHERE entry_id = ANY(%s::uuid[])")
-        self.grant = q(
-            """
-            WITH g AS (
-                SELECT * FROM unnest(%(entries)s::uuid[], %(leases)s::uuid[],
-                                     %(waited)s::text[])
-                    AS g(entry_id, lease_id, waited)
-            ), d AS (
-                DELETE FROM {s}.queue q USING g
-                WHERE q.entry_id = g.entry_id AND q.limiter = %(name)s
-                RETURNING q.entry_id, g.lease_id, q.workload, q.owner, q.request_id,
-                          q.lease_ttl, g.waited
-            ), i AS (
-                INSERT INTO {s}.leases (lease_id, limiter, workload, owner, entry_id,
-                                        request_id, granted_at, expires_at, epoch, waited_for)
-                SELECT lease_id, %(name)s, workload, owner, entry_id, request_id,
-                       clock_timestamp(), clock_timestamp() + make_interval(secs => lease_ttl),
-                       %(epoch)s, ARRAY(SELECT jsonb_array_elements_text(waited::jsonb))
-                FROM d
-                RETURNING entry_id, lease_id, workload, owner, expires_at
-            ), n AS (
-                -- The other processes granted a slot, for their listeners: "look now", never
-                -- what was granted (any role may send a notification; the listener reads
-                -- its grants, and what they waited for, from the leases). A payload must
-                -- stay under 8000 bytes, so a long list becomes "everyone look".
-                SELECT json_build_object('k', json_agg(DISTINCT owner))::text AS owners
-                FROM i WHERE owner <> %(owner)s::uuid
-                HAVING count(*) > 0
-            )
-            SELECT pg_notify(%(channel)s, CASE WHEN octet_length(owners) < 7900 THEN owners
-                                               ELSE '{{"k": "*"}}' END)
-            FROM n
-            """
-        )
-        self.fetch_mine = q(
-            "SELECT entry_id::text, lease_id::text, workload, "
-            "extract(epoch FROM expires_at)::float8, "
-            "extract(epoch FROM clock_timestamp())::float8, waited_for FROM {s}.leases "
-            "WHERE entry_id = ANY(%s::uuid[]) AND expires_at > clock_timestamp()"
-        )
-        self.renew = q(
-            """
-            UPDATE {s}.leases
-            SET expires_at = clock_timestamp() + make_interval(secs => %(ttl)s)
-            WHERE lease_id = %(lease_id)s::uuid AND limiter = %(name)s
-              AND expires_at > clock_timestamp()
-            RETURNING workload, extract(epoch FROM expires_at)
-            """
-        )
-        self.stats = q(
-            """
-            SELECT 'active', workload, count(*)::int FROM {s}.leases
-            WHERE limiter = %(name)s AND expires_at > clock_timestamp() GROUP BY workload
-            UNION ALL
-            SELECT 'queued', workload, count(*)::int FROM {s}.queue
-            WHERE limiter = %(name)s AND stale_at > clock_timestamp()
-              AND (deadline IS NULL OR deadline > clock_timestamp())
-            GROUP BY workload
-            """
-        )
