@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
+import types
 from typing import Any
 
 import anyio
@@ -753,6 +755,25 @@ async def test_a_batch_outside_any_run_is_a_run_of_its_own() -> None:
     assert first[0].content != second[0].content
     runs = {e.run_id for e in recorder.tool_events()}
     assert runs == {first[0].content, second[0].content}
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_batch_runs_while_another_thread_is_still_importing_trio(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A module is in sys.modules from the moment its import starts: while a thread that is
+    # about to run trio imports it, a batch on asyncio in another thread finds a trio module
+    # without its attributes yet.
+    half_imported = types.ModuleType("trio")
+    monkeypatch.setitem(sys.modules, "trio", half_imported)
+    box = box_of()
+
+    @box.tool
+    async def ping() -> str:
+        return "pong"
+
+    [result] = await box.run([ToolCall(id="1", name="ping")])
+    assert (result.error, result.content) == (None, "pong")
 
 
 # -- configuration --------------------------------------------------------------------------------

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import math
-import sys
 import threading
 import time
 import weakref
@@ -34,6 +32,7 @@ from .._events import (
 from .._protocol import Limiter, TypedLimiter, W
 from .._runtime import dispatch
 from .._runtime.lifecycle import Slot, slot
+from .._runtime.loop import require
 from .._runtime.runs import Run, current_run
 from .._runtime.runs import run as start_run
 from ._budget import allowances, cut_note
@@ -346,11 +345,9 @@ _to_json = json.JSONEncoder(ensure_ascii=False).encode
 
 def _clock() -> Callable[[], float]:
     """The running loop's clock, as `anyio.current_time()` reads it, without looking the
-    event loop up at each read."""
-    trio = sys.modules.get("trio")
-    if trio is not None and trio.lowlevel.in_trio_run():
-        return trio.current_time  # type: ignore[no-any-return]
-    return asyncio.get_running_loop().time
+    event loop up at each read (the runtime's lookup, safe while another thread is still
+    importing trio)."""
+    return require().clock
 
 
 def _fits(signature: inspect.Signature) -> Callable[[Mapping[str, Any]], bool]:
