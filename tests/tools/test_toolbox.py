@@ -776,6 +776,29 @@ async def test_a_batch_runs_while_another_thread_is_still_importing_trio(
     assert (result.error, result.content) == (None, "pong")
 
 
+class Halt(BaseException):
+    """Not an Exception, and not a cancellation either."""
+
+
+async def test_a_handler_raising_a_base_exception_finishes_failed_like_its_slot() -> None:
+    box = box_of()
+
+    @box.tool
+    async def halt() -> str:
+        await anyio.sleep(HOLD)
+        raise Halt("stop")
+
+    recorder = Recorder(box.limiter)
+    with pytest.raises(Halt):
+        await box.run([ToolCall(id="1", name="halt")])
+    recorder.stop()
+    [released] = [e for e in recorder.events if isinstance(e, slotwise.ReleasedEvent)]
+    [finished] = [e for e in recorder.events if isinstance(e, ToolFinishedEvent)]
+    assert released.outcome == "failed"
+    assert (finished.outcome, finished.exception) == ("failed", "Halt")
+    assert await idle(box.limiter)
+
+
 # -- configuration --------------------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ from .._events import (
 )
 from .._protocol import Limiter, TypedLimiter, W
 from .._runtime import dispatch
-from .._runtime.lifecycle import Slot, slot
+from .._runtime.lifecycle import Slot, is_cancellation, slot
 from .._runtime.loop import require
 from .._runtime.runs import Run, current_run
 from .._runtime.runs import run as start_run
@@ -614,17 +614,20 @@ class _Batch:
                 )
                 return
             # The handler returned, then the lease was lost: what it returned stands.
-        except BaseException:
+        except BaseException as exc:
             now = self.now()
             if running:
+                # As the slot's `released` says: a cancellation, or a BaseException that is
+                # none (KeyboardInterrupt, SystemExit, a subclass of its own) and goes on.
+                cancelled = is_cancellation(exc, require().cancelled)
                 self._finished(
                     i,
                     held,
                     started - since,
                     now - started,
-                    "cancelled",
+                    "cancelled" if cancelled else "failed",
                     self._stopped_effect(i),
-                    None,
+                    None if cancelled else type(exc).__name__,
                 )
             else:
                 self._emit(
