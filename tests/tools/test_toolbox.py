@@ -3,6 +3,7 @@ cancellation, budgets and events."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sys
@@ -796,6 +797,41 @@ async def test_a_handler_raising_a_base_exception_finishes_failed_like_its_slot(
     [finished] = [e for e in recorder.events if isinstance(e, ToolFinishedEvent)]
     assert released.outcome == "failed"
     assert (finished.outcome, finished.exception) == ("failed", "Halt")
+    assert await idle(box.limiter)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("others", [0, 2])
+async def test_a_cancelled_error_nobody_sent_this_batch_is_the_handlers_failure(
+    others: int,
+) -> None:
+    # A handler that awaits a task another part of the program cancelled (an HTTP client
+    # cancelling its own request task) raises CancelledError while nothing cancels the
+    # batch: a failed call, not a cancelled batch (nor, with several workers, a task group
+    # that takes it for its own cancellation and drops the other calls).
+    box = box_of()
+
+    @box.tool
+    async def fetch() -> str:
+        inner = asyncio.ensure_future(asyncio.sleep(10))
+        await asyncio.sleep(0)
+        inner.cancel()
+        return await inner
+
+    @box.tool
+    async def ok() -> str:
+        await anyio.sleep(HOLD)
+        return "ok"
+
+    calls = [ToolCall(id="a", name="fetch")] + [
+        ToolCall(id=f"o{n}", name="ok") for n in range(others)
+    ]
+    results = await box.run(calls)
+    assert [(r.call_id, r.error) for r in results] == [("a", "failed")] + [
+        (f"o{n}", None) for n in range(others)
+    ]
+    assert results[0].content == "Tool 'fetch' failed: CancelledError"
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
     assert await idle(box.limiter)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import math
@@ -403,6 +404,18 @@ def _limits(limiter: Any, pool: str) -> tuple[int | None, float | None]:
     )
 
 
+def _stray(exc: BaseException) -> bool:
+    """Whether ``exc`` is an asyncio cancellation that does not cancel the current task: one
+    raised by awaiting a future or task that something else cancelled."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # not in an asyncio event loop (trio raises its own Cancelled)
+        return False
+    return task is not None and not task.cancelling()
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -616,6 +629,19 @@ class _Batch:
             # The handler returned, then the lease was lost: what it returned stands.
         except BaseException as exc:
             now = self.now()
+            if running and _stray(exc):
+                # The handler awaited something that another task cancelled (an HTTP
+                # client's own request task, say): its failure, not the batch's cancellation.
+                self._stopped(
+                    i,
+                    "failed",
+                    f"Tool {tool.name!r} failed: {_describe(exc)}",
+                    held,
+                    started - since,
+                    now - started,
+                    type(exc).__name__,
+                )
+                return
             if running:
                 # As the slot's `released` says: a cancellation, or a BaseException that is
                 # none (KeyboardInterrupt, SystemExit, a subclass of its own) and goes on.
