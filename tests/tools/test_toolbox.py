@@ -141,6 +141,7 @@ async def test_one_result_per_call_in_the_calls_order_whatever_finishes_first() 
     ("batch", "message"),
     [
         ([ToolCall(id="", name="echo")], "no id"),
+        ([ToolCall(id=1, name="echo")], "ids are non-empty strings, got 1"),  # type: ignore[arg-type]
         ([ToolCall(id="a", name="echo"), ToolCall(id="a", name="echo")], "share the id 'a'"),
     ],
 )

@@ -305,7 +305,9 @@ class ToolBox(Generic[W]):
             if not isinstance(call, ToolCall):
                 raise TypeError(f"calls must be ToolCall objects, got {call!r}")
             if not isinstance(call.id, str) or not call.id:
-                raise ValueError(f"a tool call has no id: {call.name!r}")
+                raise ValueError(
+                    f"tool call {call.name!r} has no id: ids are non-empty strings, got {call.id!r}"
+                )
             if call.id in seen:
                 raise ValueError(f"two tool calls share the id {call.id!r}")
             seen.add(call.id)
