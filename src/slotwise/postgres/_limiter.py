@@ -206,6 +206,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
         "_pending",
         "_poller",
         "_pool",
+        "_prepare",
         "_q",
         "_queue_entry_ttl",
         "_releases",
@@ -336,6 +337,11 @@ class PostgresLimiter(BuiltinLimiter[W]):
         self.ensure_schema = bool(ensure_schema)
         self.on_conflict = on_conflict
         self._listen = listen
+        # The statements of every round are prepared (planned once per connection) when
+        # the pool's connections reach the server itself, as ``listen=True`` says they do
+        # (notifications do not pass PgBouncer in transaction mode, and neither do
+        # prepared statements before PgBouncer 1.21).
+        self._prepare = listen is True
         self.synchronous_commit = bool(synchronous_commit)
         self.db_timeout = float(db_timeout)
         self._settings_json = json.dumps(stored_limits(self._settings), sort_keys=True)
@@ -472,7 +478,9 @@ class PostgresLimiter(BuiltinLimiter[W]):
                     self._pool = _own_pool(self._pool.conninfo)  # type: ignore[arg-type]
                 await self._pool.open()
             try:
-                await self._run(self._create_schema if self.ensure_schema else self._check_schema)
+                await self._run(
+                    self._create_schema if self.ensure_schema else self._check_schema, ddl=True
+                )
                 await self._run(self._register)
             except BaseException:
                 if self._owns_pool:  # a limiter that failed to start holds no connections
@@ -1193,7 +1201,12 @@ class PostgresLimiter(BuiltinLimiter[W]):
     # -- transactions ---------------------------------------------------------------------
 
     async def _run(
-        self, body: Callable[[Conn], Awaitable[T]], *, retry: bool = True, read: bool = False
+        self,
+        body: Callable[[Conn], Awaitable[T]],
+        *,
+        retry: bool = True,
+        read: bool = False,
+        ddl: bool = False,
     ) -> T:
         """Run ``body`` in one transaction on a pooled connection, in a task of its own.
 
@@ -1202,9 +1215,10 @@ class PostgresLimiter(BuiltinLimiter[W]):
         and psycopg would warn), so nothing it began is left half done. Every step is bounded
         by ``db_timeout`` (see _transaction); the caller waits three times that at most.
         ``read``: the body is one statement that only reads, run without a transaction when
-        the connection is in autocommit mode (one round trip instead of two).
+        the connection is in autocommit mode (one round trip instead of two). ``ddl``: the
+        body changes the schema (see _transaction).
         """
-        task = asyncio.get_running_loop().create_task(self._transaction(body, retry, read))
+        task = asyncio.get_running_loop().create_task(self._transaction(body, retry, read, ddl))
         self._tasks.add(task)
         task.add_done_callback(self._ended)
         bound = 3 * self.db_timeout
@@ -1218,7 +1232,11 @@ class PostgresLimiter(BuiltinLimiter[W]):
             task.exception()  # retrieved: its caller may have stopped waiting for it
 
     async def _transaction(
-        self, body: Callable[[Conn], Awaitable[T]], retry: bool, read: bool = False
+        self,
+        body: Callable[[Conn], Awaitable[T]],
+        retry: bool,
+        read: bool = False,
+        ddl: bool = False,
     ) -> T:
         """One transaction: a connection within ``db_timeout``, then the body under a
         ``lock_timeout`` and a ``statement_timeout`` of ``db_timeout``.
@@ -1228,6 +1246,13 @@ class PostgresLimiter(BuiltinLimiter[W]):
         restart every pooled connection may be broken, so up to the pool's size plus one
         attempts are made. ``retry`` also allows a retry after commit was attempted
         (idempotent bodies). Any other failure (a timeout included) is raised at once.
+
+        With prepared statements, a ``ddl`` transaction prepares nothing and is followed by
+        a statement that prepares nothing: psycopg forgets a connection's prepared
+        statements after an ALTER or a DROP and deallocates them on the server after its
+        next statement, which a prepared one must not be (the next round would find it
+        gone). A failed transaction's rollback deallocates them all, and psycopg forgets
+        them too.
         """
         attempts = self._pool.max_size + 1
         bound = f"{max(1, round(self.db_timeout * 1000))}ms"
@@ -1239,16 +1264,26 @@ class PostgresLimiter(BuiltinLimiter[W]):
                     async with self._pool.connection(timeout=self.db_timeout) as conn:
                         if conn.autocommit:
                             return await body(conn)
-                async with (
-                    self._pool.connection(timeout=self.db_timeout) as conn,
-                    conn.pipeline(),
-                    conn.transaction(),
-                ):
-                    await conn.execute(self._q.timeouts, [bound, bound], prepare=False)
-                    if not self.synchronous_commit:
-                        await conn.execute("SET LOCAL synchronous_commit = off", prepare=False)
-                    result = await body(conn)
-                    committing = True
+                async with self._pool.connection(timeout=self.db_timeout) as conn:
+                    try:
+                        async with conn.pipeline(), conn.transaction():
+                            await conn.execute(
+                                self._q.timeouts, [bound, bound], prepare=self._prepare and not ddl
+                            )
+                            if not self.synchronous_commit:
+                                await conn.execute(
+                                    "SET LOCAL synchronous_commit = off", prepare=False
+                                )
+                            result = await body(conn)
+                            committing = True
+                    except psycopg.Error as exc:
+                        if self._stale(exc) and not committing:
+                            continue  # again, unprepared: nothing was committed
+                        raise
+                    if ddl and self._prepare:
+                        # The deallocation psycopg owes the server, sent now, while it
+                        # believes nothing prepared.
+                        await conn.execute("SELECT 1", prepare=False)
                 return result
             except PoolTimeout as exc:
                 raise await self._unreachable(exc) from None
@@ -1257,6 +1292,25 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 if attempt == attempts or (committing and not retry) or not broken:
                     raise
         raise AssertionError("unreachable")
+
+    def _stale(self, exc: psycopg.Error) -> bool:
+        """Whether ``exc`` says that the server lost this limiter's prepared statements (or
+        has another's of the same name): something between this process and the server
+        (PgBouncer in transaction mode, with ``listen=True``) does not keep them. This
+        limiter then prepares nothing from now on."""
+        if not self._prepare or not isinstance(
+            exc, psycopg.errors.InvalidSqlStatementName | psycopg.errors.DuplicatePreparedStatement
+        ):
+            return False
+        self._prepare = False
+        _logger.warning(
+            "slotwise: limiter %r prepares no statements from now on: the server did not "
+            "keep them (%s); through PgBouncer in transaction mode, give listen=False or the "
+            "server's own conninfo",
+            self.name,
+            exc,
+        )
+        return True
 
     async def _unreachable(self, exc: PoolTimeout) -> PoolTimeout:
         """No connection came within ``db_timeout``: say why (a connection of our own tells
@@ -1393,13 +1447,13 @@ class PostgresLimiter(BuiltinLimiter[W]):
         locked = await conn.execute(
             q.lock_state,
             {"settings": self._settings_json, "name": name, "version": self._version},
-            prepare=False,
+            prepare=self._prepare,
         )
         refused_leases = [p.lease_id for p in pending if isinstance(p, Pushback) and p.lease_id]
         marked = None
         if refused_leases:  # before the sweep, which deletes a lease being released
             marked = await conn.execute(
-                q.mark_throttled, {"name": name, "leases": refused_leases}, prepare=False
+                q.mark_throttled, {"name": name, "leases": refused_leases}, prepare=self._prepare
             )
         swept = await conn.execute(
             q.sweep,
@@ -1412,10 +1466,10 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 "asked": asked or [],
                 "entry_ttl": self._queue_entry_ttl,
             },
-            prepare=False,
+            prepare=self._prepare,
         )
         if alive or enqueue:
-            await conn.execute(q.alive, [self._owner, self._alive_for()], prepare=False)
+            await conn.execute(q.alive, [self._owner, self._alive_for()], prepare=self._prepare)
         enqueued = counted = None
         bounded: list[str] = []
         if enqueue:
@@ -1433,7 +1487,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
                     "entry_ttl": self._queue_entry_ttl,
                     "lease_ttl": self._settings.lease_ttl,
                 },
-                prepare=False,
+                prepare=self._prepare,
             )
             bounded = sorted(
                 {
@@ -1451,7 +1505,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
                         "workloads": bounded,
                         "fresh": [w.entry_id for w in enqueue],
                     },
-                    prepare=False,
+                    prepare=self._prepare,
                 )
         cur = await conn.execute(
             q.load,
@@ -1463,7 +1517,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
                 # A request enqueued now may take a free slot even with no time to wait.
                 "fresh": [w.entry_id for w in enqueue],
             },
-            prepare=False,
+            prepare=self._prepare,
         )
         locked_row = await locked.fetchone()
         if locked_row is not None and not locked_row[0] and (release or withdraw):
@@ -1508,7 +1562,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             await conn.execute(
                 q.store_limits,
                 {"name": name, "limits": json.dumps(limits_json(settings)), "version": version},
-                prepare=False,
+                prepare=self._prepare,
             )
             if pace.limit(settings) != old_limit:
                 changes.append((old_limit, pace.limit(settings), "set_limits"))
@@ -1601,7 +1655,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             and waited_for[e.entry_id] != e.waited_for
         }
         if blocked:
-            await conn.execute(q.mark_waited, [json.dumps(blocked)], prepare=False)
+            await conn.execute(q.mark_waited, [json.dumps(blocked)], prepare=self._prepare)
         granted = {
             entry_id: Lease(
                 lease_id=lease_id,
@@ -1643,7 +1697,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
                     if waiter.workload in waiting_in:
                         waiting_in[waiter.workload] = here + 1
             if refused:
-                await conn.execute(q.drop_entries, [list(refused)], prepare=False)
+                await conn.execute(q.drop_entries, [list(refused)], prepare=self._prepare)
                 queued -= len(refused)
         if grants:
             # Not fetched: the grant, its notification and the commit go in one round trip.
@@ -1660,7 +1714,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
                     "owner": self._owner,
                     "channel": self._channel,
                 },
-                prepare=False,
+                prepare=self._prepare,
             )
             for entry, lease_id in zip(grants, lease_ids, strict=True):
                 if entry.owner == self._owner:
@@ -1673,7 +1727,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
                     )
             queued -= len(grants)
         if pace.dirty:
-            await conn.execute(q.save_state, {"name": name, **pace.params()}, prepare=False)
+            await conn.execute(q.save_state, {"name": name, **pace.params()}, prepare=self._prepare)
         wake = paced_wake(refill_at, pace.paused_until, now)
         return Cycle(
             granted=granted,
@@ -1707,7 +1761,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
 
     async def _fetch(self, conn: Conn, *, asked: list[str]) -> dict[str, Lease]:
         began = anyio.current_time()
-        cur = await conn.execute(self._q.fetch_mine, [asked], prepare=False)
+        cur = await conn.execute(self._q.fetch_mine, [asked], prepare=self._prepare)
         granted = {}
         for entry_id, lease_id, workload, expires, now, waited in await cur.fetchall():
             self._offset = now - began
@@ -1723,15 +1777,15 @@ class PostgresLimiter(BuiltinLimiter[W]):
         cur = await conn.execute(
             self._q.renew,
             {"lease_id": lease_id, "name": self.name, "ttl": self._settings.lease_ttl},
-            prepare=False,
+            prepare=self._prepare,
         )
         row = await cur.fetchone()
         return None if row is None else (row[0], float(row[1]))
 
     async def _stats_rows(self, conn: Conn) -> tuple[list[tuple[str, str, int]], tuple[Any, ...]]:
-        cur = await conn.execute(self._q.stats, {"name": self.name}, prepare=False)
+        cur = await conn.execute(self._q.stats, {"name": self.name}, prepare=self._prepare)
         state = await conn.execute(
-            self._q.state, {"name": self.name, "version": self._version}, prepare=False
+            self._q.state, {"name": self.name, "version": self._version}, prepare=self._prepare
         )
         rows = await cur.fetchall()
         row = await state.fetchone()

@@ -1,0 +1,82 @@
+"""Prepared statements: a limiter whose pool reaches the server itself (``listen=True``)
+plans the statements of its rounds once per connection; one that may go through PgBouncer
+in transaction mode (``listen=False`` or a ``listen`` conninfo) prepares nothing; and a
+server that loses them (PgBouncer with ``listen=True``) costs a retry, not a failure."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from slotwise import AcquireRequest
+from slotwise.postgres import PostgresLimiter
+
+pytestmark = pytest.mark.anyio
+
+
+async def _one_round(limiter: PostgresLimiter[Any]) -> None:
+    lease = await limiter.acquire(AcquireRequest(workload="default", request_id="r"))
+    await limiter.release(lease)
+
+
+async def _prepared(pool: AsyncConnectionPool[Any]) -> list[str]:
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT statement FROM pg_prepared_statements", prepare=False)
+        return [row[0] for row in await cur.fetchall()]
+
+
+@pytest.mark.parametrize("listen", [True, False])
+async def test_statements_are_prepared_only_when_the_pool_reaches_the_server(
+    tagged_dsn: str, schema: str, listen: bool
+) -> None:
+    async with (
+        AsyncConnectionPool(
+            tagged_dsn, min_size=1, max_size=1, open=False, kwargs={"autocommit": True}
+        ) as pool,
+        PostgresLimiter(
+            pool, name="prep", schema=schema, max_concurrent=2, listen=listen
+        ) as limiter,
+    ):
+        for _ in range(3):
+            await _one_round(limiter)
+        statements = await _prepared(pool)
+    if listen:
+        assert any("FOR UPDATE" in s for s in statements), statements
+    else:
+        assert statements == []
+
+
+async def test_statements_the_server_lost_cost_a_retry_and_are_prepared_no_more(
+    tagged_dsn: str, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PgBouncer in transaction mode hands each transaction any server connection: the
+    statements prepared on one are unknown on the next. DEALLOCATE ALL on the pool's one
+    connection, behind psycopg's back, does the same: the next rounds must still succeed,
+    and prepare nothing."""
+    async with (
+        AsyncConnectionPool(
+            tagged_dsn, min_size=1, max_size=1, open=False, kwargs={"autocommit": True}
+        ) as pool,
+        PostgresLimiter(pool, name="prep", schema=schema, max_concurrent=2) as limiter,
+    ):
+        await _one_round(limiter)
+        assert await _prepared(pool)
+        async with pool.connection() as conn:
+            # Behind psycopg's back (libpq itself), as a server connection that
+            # PgBouncer swapped in would be.
+            conn.pgconn.exec_(b"DEALLOCATE ALL")
+        with caplog.at_level(logging.WARNING, logger="slotwise"):
+            for _ in range(3):
+                await _one_round(limiter)
+        assert await _prepared(pool) == []
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "slotwise" and r.levelno == logging.WARNING
+    ]
+    assert len(warnings) == 1, warnings
+    assert "prepares no statements from now on" in warnings[0]
+    assert "listen=False" in warnings[0]
