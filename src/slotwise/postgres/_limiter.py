@@ -150,6 +150,8 @@ class PostgresLimiter(BuiltinLimiter[W]):
         listen: ``True``: a session connection (outside the pool) receives notifications;
             a string: the conninfo for that connection (say, the server itself when the pool
             goes through PgBouncer in transaction mode); ``False``: timed polling only.
+            With ``True`` the pool's connections reach the server itself, and the
+            statements of every allocation are prepared on them (planned once).
         synchronous_commit: ``True``: every allocation waits for its WAL flush, as
             PostgreSQL does by default. ``False`` (``SET LOCAL synchronous_commit = off``)
             makes allocations several times faster when the disk is slow, at a price: if
