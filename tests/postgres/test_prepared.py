@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import anyio
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
@@ -80,3 +81,65 @@ async def test_statements_the_server_lost_cost_a_retry_and_are_prepared_no_more(
     assert len(warnings) == 1, warnings
     assert "prepares no statements from now on" in warnings[0]
     assert "listen=False" in warnings[0]
+
+
+async def test_a_grant_whose_statement_the_server_lost_is_retried_unprepared(
+    tagged_dsn: str, schema: str
+) -> None:
+    """The grant is sent with the commit, unfetched: its error arrives as the transaction
+    ends. A statement that failed committed nothing, so the round is retried."""
+    async with (
+        AsyncConnectionPool(
+            tagged_dsn, min_size=1, max_size=1, open=False, kwargs={"autocommit": True}
+        ) as pool,
+        PostgresLimiter(pool, name="prep", schema=schema, max_concurrent=1) as limiter,
+    ):
+        for _ in range(2):
+            await _one_round(limiter)
+        async with pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT name, statement FROM pg_prepared_statements", prepare=False
+            )
+            grants = [name for name, statement in await cur.fetchall() if "pg_notify" in statement]
+            assert grants
+            for name in grants:
+                conn.pgconn.exec_(f'DEALLOCATE "{name}"'.encode())
+        await _one_round(limiter)
+        await _one_round(limiter)
+        assert (await limiter.stats()).active == 0
+
+
+async def test_a_waiters_read_whose_statement_the_server_lost_is_retried_unprepared(
+    tagged_dsn: str, schema: str, eventually: Any
+) -> None:
+    """A process reads its grants after a notification with one statement outside any
+    transaction; the server losing it must not fail that process's waiters."""
+    async with (
+        AsyncConnectionPool(
+            tagged_dsn, min_size=1, max_size=1, open=False, kwargs={"autocommit": True}
+        ) as pool,
+        PostgresLimiter(
+            tagged_dsn, name="prep", schema=schema, max_concurrent=1, poll_interval=0.05
+        ) as holder,
+        PostgresLimiter(
+            pool, name="prep", schema=schema, max_concurrent=1, poll_interval=5
+        ) as waiter,
+    ):
+        leases: list[Any] = []
+
+        async def wait() -> None:
+            leases.append(await waiter.acquire(AcquireRequest(workload="default", request_id="w")))
+
+        async def one_queued() -> bool:
+            return (await holder.stats()).queued >= 1
+
+        for n in range(2):
+            held = await holder.acquire(AcquireRequest(workload="default", request_id="h"))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait)
+                await eventually(one_queued)
+                if n == 1:  # its statements are prepared by now: lose them
+                    async with pool.connection() as conn:
+                        conn.pgconn.exec_(b"DEALLOCATE ALL")
+                await holder.release(held)
+            await waiter.release(leases.pop())

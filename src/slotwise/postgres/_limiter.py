@@ -1254,64 +1254,67 @@ class PostgresLimiter(BuiltinLimiter[W]):
         statements after an ALTER or a DROP and deallocates them on the server after its
         next statement, which a prepared one must not be (the next round would find it
         gone). A failed transaction's rollback deallocates them all, and psycopg forgets
-        them too.
+        them too. A statement the server lost (see _stale) failed, so nothing was committed:
+        the transaction is run again, unprepared.
         """
         attempts = self._pool.max_size + 1
         bound = f"{max(1, round(self.db_timeout * 1000))}ms"
         for attempt in range(1, attempts + 1):
             committing = False
             conn: Conn | None = None
+            prepared = self._prepare
             try:
-                if read:
-                    async with self._pool.connection(timeout=self.db_timeout) as conn:
-                        if conn.autocommit:
-                            return await body(conn)
                 async with self._pool.connection(timeout=self.db_timeout) as conn:
-                    try:
-                        async with conn.pipeline(), conn.transaction():
-                            await conn.execute(
-                                self._q.timeouts, [bound, bound], prepare=self._prepare and not ddl
-                            )
-                            if not self.synchronous_commit:
-                                await conn.execute(
-                                    "SET LOCAL synchronous_commit = off", prepare=False
-                                )
-                            result = await body(conn)
-                            committing = True
-                    except psycopg.Error as exc:
-                        if self._stale(exc) and not committing:
-                            continue  # again, unprepared: nothing was committed
-                        raise
-                    if ddl and self._prepare:
-                        # The deallocation psycopg owes the server, sent now, while it
-                        # believes nothing prepared.
+                    if read and conn.autocommit:
+                        return await body(conn)
+                    async with conn.pipeline(), conn.transaction():
+                        await conn.execute(
+                            self._q.timeouts, [bound, bound], prepare=prepared and not ddl
+                        )
+                        if not self.synchronous_commit:
+                            await conn.execute("SET LOCAL synchronous_commit = off", prepare=False)
+                        result = await body(conn)
+                        committing = True
+                    if ddl and prepared:
+                        # The deallocation psycopg owes the server, sent now, while it believes
+                        # nothing prepared.
                         await conn.execute("SELECT 1", prepare=False)
                 return result
             except PoolTimeout as exc:
                 raise await self._unreachable(exc) from None
-            except psycopg.OperationalError:
+            except psycopg.Error as exc:
+                if prepared and self._stale(exc):
+                    continue  # again, unprepared: a statement failed, so nothing was committed
                 broken = conn is not None and conn.broken
-                if attempt == attempts or (committing and not retry) or not broken:
+                if (
+                    not isinstance(exc, psycopg.OperationalError)
+                    or attempt == attempts
+                    or (committing and not retry)
+                    or not broken
+                ):
                     raise
         raise AssertionError("unreachable")
 
     def _stale(self, exc: psycopg.Error) -> bool:
         """Whether ``exc`` says that the server lost this limiter's prepared statements (or
-        has another's of the same name): something between this process and the server
-        (PgBouncer in transaction mode, with ``listen=True``) does not keep them. This
-        limiter then prepares nothing from now on."""
-        if not self._prepare or not isinstance(
+        has others of the same names): something between this process and the server
+        (PgBouncer in transaction mode, with ``listen=True``) does not keep them, or
+        something else on these connections deallocated them. This limiter then prepares
+        nothing from now on."""
+        if not isinstance(
             exc, psycopg.errors.InvalidSqlStatementName | psycopg.errors.DuplicatePreparedStatement
         ):
             return False
-        self._prepare = False
-        _logger.warning(
-            "slotwise: limiter %r prepares no statements from now on: the server did not "
-            "keep them (%s); through PgBouncer in transaction mode, give listen=False or the "
-            "server's own conninfo",
-            self.name,
-            exc,
-        )
+        if self._prepare:
+            self._prepare = False
+            _logger.warning(
+                "slotwise: limiter %r prepares no statements from now on: the server did not "
+                "keep them (%s). Through PgBouncer in transaction mode, give listen=False or "
+                "the server's own conninfo; else something on these connections deallocated "
+                "them",
+                self.name,
+                exc,
+            )
         return True
 
     async def _unreachable(self, exc: PoolTimeout) -> PoolTimeout:
