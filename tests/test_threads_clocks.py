@@ -25,6 +25,7 @@ from typing import Any, TypeVarTuple
 import anyio
 import pytest
 import trio
+from test_threads import run_threads
 
 import slotwise
 from slotwise import AcquireRequest, ConcurrencyTimeoutError, MemoryLimiter, Workload
@@ -112,27 +113,6 @@ def run_shifted(waiter: tuple[str, float], main: Callable[[], Awaitable[None]]) 
     return loop.timers
 
 
-def in_threads(*targets: Callable[[], None], timeout: float = 60.0) -> None:
-    """Run each target in a thread; fail if any raises or is still running at `timeout`."""
-    errors: list[BaseException] = []
-
-    def guarded(target: Callable[[], None]) -> None:
-        try:
-            target()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(t,), daemon=True) for t in targets]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + timeout
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    assert not [t for t in threads if t.is_alive()], f"a thread still runs after {timeout}s"
-    if errors:
-        raise errors[0]
-
-
 def hold(
     limiter: MemoryLimiter[str], holder: str, held: threading.Event, done: threading.Event
 ) -> None:
@@ -209,7 +189,7 @@ def test_a_wait_on_a_shifted_clock_ends_at_its_moment(
         finally:
             done.set()
 
-    in_threads(lambda: hold(limiter, holder, held, done), waiter_thread)
+    run_threads([lambda: hold(limiter, holder, held, done), waiter_thread])
     assert outcome == ["timed out"]
     assert WAIT - 0.02 <= waited[0] < LATE
     assert wakeups[0] < WAKEUPS
@@ -252,7 +232,7 @@ def test_a_lease_from_a_stalled_loop_expires_for_the_only_waiter_on_a_shifted_cl
         finally:
             done.set()
 
-    in_threads(lambda: asyncio.run(take_and_stall()), waiter_thread)
+    run_threads([lambda: asyncio.run(take_and_stall()), waiter_thread])
     assert granted_at, f"no grant within {LATE}s of a lease that expires after {WAIT}s"
     assert WAIT - 0.02 <= granted_at[0] - taken_at[0] < LATE
     assert wakeups[0] < WAKEUPS
