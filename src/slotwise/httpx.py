@@ -447,11 +447,12 @@ def transport(
     is_sync = isinstance(inner, module.BaseTransport)
     idle = None if idle_timeout is None else seconds("idle_timeout", idle_timeout)
     if not is_async and limiter is not None and not _can_block(limiter):
+        advice = getattr(type(limiter), "_sync_advice", None)  # see acquire_sync
         raise ConcurrencyConfigError(
             f"limiter {getattr(limiter, 'name', limiter)!r} ({type(limiter).__name__}) cannot "
             "limit a sync client: a sync request waits by blocking its thread, and only a "
             "limiter that can block one (such as MemoryLimiter) can serve it. Use an async "
-            "client with this limiter"
+            "client with this limiter" + (f". {advice}" if advice else "")
         )
     wrapped: Any = _transport_class(module, is_async, is_sync)(
         inner, limiter=limiter, workload=workload, idle_timeout=idle

@@ -21,6 +21,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import slotwise
+import slotwise.httpx
 from slotwise import AcquireRequest, Workload
 from slotwise.postgres import PostgresLimiter, schema_sql
 
@@ -720,6 +721,11 @@ async def test_sync_code_is_refused_with_what_to_do(make: Any) -> None:
     with pytest.raises(slotwise.ConcurrencyConfigError) as info:
         await anyio.to_thread.run_sync(in_a_thread)
     assert "async with limiter.slot()" in str(info.value)
+    assert "its own PostgresLimiter with the same name" in str(info.value)
+    # The same advice when a sync HTTP client is given one.
+    with pytest.raises(slotwise.ConcurrencyConfigError) as info:
+        slotwise.httpx.sync_client(limiter=limiter)
+    assert "cannot limit a sync client" in str(info.value)
     assert "its own PostgresLimiter with the same name" in str(info.value)
 
 
