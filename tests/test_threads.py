@@ -531,3 +531,36 @@ def test_cancelling_a_run_reaches_a_child_run_on_another_event_loop() -> None:
     asyncio.run(main())
     assert results == ["cancelled"]
     assert limiter.stats_nowait().active == 0
+
+
+def test_a_sync_generator_holding_a_slot_closed_in_another_thread_releases_it() -> None:
+    """A generator that holds a `sync_slot()` across a `yield`, advanced in a pool's worker
+    thread and closed (or collected) in another thread: the slot goes back at once, and the
+    worker, whose context still lists it, can take a slot again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    limiter = MemoryLimiter(name="gen", max_concurrent=1)
+
+    def chunks() -> Any:
+        with limiter.sync_slot():
+            yield 1
+            yield 2
+
+    def start() -> Any:
+        generator = chunks()
+        next(generator)
+        return generator
+
+    def again() -> int:
+        with limiter.sync_slot(timeout=5) as slot:
+            return 1 if slot.lease is not None else 0
+
+    with ThreadPoolExecutor(1) as worker:
+        generator = worker.submit(start).result()
+        assert limiter.stats_nowait().active == 1
+        closer = threading.Thread(target=generator.close)
+        closer.start()
+        closer.join(10)
+        assert limiter.stats_nowait().active == 0
+        assert worker.submit(again).result(timeout=10) == 1
+    assert limiter.stats_nowait().active == 0

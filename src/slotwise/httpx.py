@@ -1070,8 +1070,8 @@ class _SyncAttempt(_Attempt):
         """As `_AsyncAttempt.reclaim`, in the reclaimer's thread."""
         if self.done:
             return
-        self._announce()
         try:
+            self._announce()
             self.body.close()
         except Exception as exc:
             _close_failed(exc)
@@ -1215,7 +1215,9 @@ class _Reclaimer:
     def _run(job: Callable[[], object]) -> None:
         try:
             job()
-        except Exception:  # a slot's release reports its own failures; this is a bug
+        except BaseException:  # a slot's release reports its own failures; this is a bug
+            # Or a subscriber's SystemExit or KeyboardInterrupt, which in this daemon thread
+            # would stop nothing but the reclaims of every sync client.
             _logger.exception("slotwise: reclaiming an abandoned response's slot failed")
 
 

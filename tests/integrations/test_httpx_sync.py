@@ -776,3 +776,37 @@ def test_a_forked_child_reclaims_with_a_reclaimer_of_its_own() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_a_subscriber_that_raises_system_exit_does_not_stop_the_reclaims() -> None:
+    """A subscriber raising SystemExit on `reclaimed`, in the reclaimer thread: that response's
+    slot goes back all the same, and so do those of responses abandoned afterwards."""
+    import httpx
+
+    class Body(httpx.SyncByteStream):
+        def __iter__(self) -> Iterator[bytes]:
+            yield b"x"
+
+    class Inner(httpx.BaseTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            return httpx.Response(200, stream=Body())
+
+    limiter: MemoryLimiter[str] = MemoryLimiter(name="p", max_concurrent=2)
+    quits = [True]
+
+    def quit_once(event: ConcurrencyEvent) -> None:
+        if event.kind == "reclaimed" and quits.pop():
+            sys.exit("a subscriber quits")
+
+    unsubscribe = slotwise.subscribe(quit_once, limiter)
+    wrapped = slotwise.httpx.transport(Inner(), limiter=limiter, idle_timeout=None)
+    try:
+        with httpx.Client(transport=wrapped, base_url="http://test") as c:
+            for _ in range(2):
+                response = c.send(c.build_request("GET", "/"), stream=True)
+                assert active(limiter) == 1
+                del response
+                gc.collect()
+                wait_for(lambda: active(limiter) == 0)
+    finally:
+        unsubscribe()

@@ -937,15 +937,22 @@ def _max_wait(limiter: Any, workload: str) -> float | None:
 
 
 _CO_ASYNC_GENERATOR = inspect.CO_ASYNC_GENERATOR
+_CO_ANY_GENERATOR = inspect.CO_ASYNC_GENERATOR | inspect.CO_GENERATOR
 
 
 def _enter(context: object, slot: Slot, frame: Any) -> None:
-    """Record that ``context`` entered ``slot`` in this task (its exit finds it there)."""
+    """Record that ``context`` (a `SyncSlotContext`) entered ``slot`` in this thread's
+    context (its exit finds it there)."""
     slot._context = context
+    held = _holding.get()
+    if any(other._released for other in held):
+        # Slots released by an exit that ran elsewhere (below): this context forgets them.
+        _holding.set(tuple(other for other in held if not other._released))
     slot._token = _holding.set((*_holding.get(), slot))
-    if frame.f_code.co_flags & _CO_ASYNC_GENERATOR:
-        # The event loop may finalize the generator in a task of its own, where this task's
-        # context is not: the exit then finds the slot by the generator's frame.
+    if frame.f_code.co_flags & _CO_ANY_GENERATOR:
+        # A generator may be closed, or finalized by the collector, in another thread or
+        # context, where this one is not: the exit then finds the slot by the generator's
+        # frame.
         slot._frame = frame
         _in_generators[id(frame)] = slot
 
