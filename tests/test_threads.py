@@ -359,6 +359,8 @@ def test_sync_slot_times_out_and_says_so() -> None:
         waited = time.monotonic() - started
     assert 0.09 <= waited < 5
     assert caught.value.limiter == "sync"
+    assert "deadline passed" in str(caught.value)
+    assert "the run's budget ended" not in str(caught.value)  # there is no run
     assert limiter.stats_nowait().queued == 0
 
 

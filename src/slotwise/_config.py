@@ -398,4 +398,6 @@ def wait_timeout(
         return ConcurrencyTimeoutError(
             f"no slot within {waited:.3f}s: the workload's max_wait is {max_wait:g}s"
         )
-    return ConcurrencyTimeoutError(f"no slot within {waited:.3f}s: the run's budget ended")
+    return ConcurrencyTimeoutError(
+        f"no slot within {waited:.3f}s: its deadline passed (a run's budget, or a timeout)"
+    )
