@@ -15,7 +15,6 @@ subscriber raises stops the keeper.
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import itertools
 import logging
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._config import DEFAULT_LEASE_TTL
-from .loop import Loop, TrioLoop
+from .loop import Loop, own_cancellation
 
 if TYPE_CHECKING:
     from .lifecycle import Slot
@@ -45,18 +44,6 @@ def lease_ttl(limiter: Any) -> float:
     if isinstance(ttl, int | float) and not isinstance(ttl, bool) and 0 < ttl < math.inf:
         return float(ttl)
     return DEFAULT_LEASE_TTL
-
-
-def _own_cancellation(exc: BaseException, loop: Loop) -> bool:
-    """Whether ``exc`` is the cancellation of the running task itself (the keeper stopping,
-    the loop shutting down), rather than one a limiter raised on its own (a driver's future
-    cancelled under it)."""
-    if isinstance(loop, TrioLoop):
-        return isinstance(exc, loop.cancelled)
-    if not isinstance(exc, asyncio.CancelledError):
-        return False
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 class _Keeper:
@@ -221,7 +208,7 @@ class _Keeper:
             with anyio.fail_after(max(0.0, slot._renewed_at + ttl - started)):
                 renewed = await slot.limiter.renew(slot.lease)
         except BaseException as exc:
-            if _own_cancellation(exc, self._loop):
+            if own_cancellation(exc, self._loop):
                 raise
             self._failed(slot, ttl, exc)
         else:

@@ -34,6 +34,7 @@ __all__ = (
     "current",
     "later",
     "loop_identity",
+    "own_cancellation",
     "now",
     "require",
     "spawn",
@@ -414,3 +415,16 @@ def later() -> Start:
         asyncio_loop.call_soon_threadsafe(_start_asyncio, asyncio_loop, fn)
 
     return start
+
+
+def own_cancellation(exc: BaseException, loop: Loop) -> bool:
+    """Whether ``exc`` is the cancellation of the running task itself (the keeper stopping,
+    the loop shutting down, a tool batch cancelled), rather than one raised by awaiting
+    something that another task cancelled (a driver's future, an HTTP client's own request
+    task)."""
+    if isinstance(loop, TrioLoop):
+        return isinstance(exc, loop.cancelled)
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -33,7 +33,7 @@ from .._events import (
 from .._protocol import Limiter, TypedLimiter, W
 from .._runtime import dispatch
 from .._runtime.lifecycle import Slot, is_cancellation, slot
-from .._runtime.loop import require
+from .._runtime.loop import own_cancellation, require
 from .._runtime.runs import Run, current_run
 from .._runtime.runs import run as start_run
 from ._budget import allowances, cut_note
@@ -406,18 +406,6 @@ def _limits(limiter: Any, pool: str) -> tuple[int | None, float | None]:
     )
 
 
-def _stray(exc: BaseException) -> bool:
-    """Whether ``exc`` is an asyncio cancellation that does not cancel the current task: one
-    raised by awaiting a future or task that something else cancelled."""
-    if not isinstance(exc, asyncio.CancelledError):
-        return False
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:  # not in an asyncio event loop (trio raises its own Cancelled)
-        return False
-    return task is not None and not task.cancelling()
-
-
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -631,7 +619,11 @@ class _Batch:
             # The handler returned, then the lease was lost: what it returned stands.
         except BaseException as exc:
             now = self.now()
-            if running and _stray(exc):
+            if (
+                running
+                and isinstance(exc, asyncio.CancelledError)
+                and not own_cancellation(exc, require())
+            ):
                 # The handler awaited something that another task cancelled (an HTTP
                 # client's own request task, say): its failure, not the batch's cancellation.
                 self._stopped(
