@@ -69,7 +69,7 @@ from ._round import (
     enqueued_at,
     entry_cost,
     entry_key,
-    failed,
+    unsucceeded,
 )
 from ._schema import NEWEST_COLUMN, NEWEST_TABLE, channel_name, schema_ddl
 from ._sql import Queries, quote
@@ -541,7 +541,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
                                 self._cycle,
                                 withdraw=withdraw,
                                 release=list(releases),
-                                failed=failed(releases),
+                                failed=unsucceeded(releases),
                             )
                         )
                         error = None
@@ -967,7 +967,7 @@ class PostgresLimiter(BuiltinLimiter[W]):
             enqueue=batch,
             withdraw=withdraw,
             release=list(releases),
-            failed=failed(releases),
+            failed=unsucceeded(releases),
             asked=asked,
             heartbeat=beat,
             alive=alive,

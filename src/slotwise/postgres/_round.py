@@ -31,7 +31,7 @@ __all__ = (
     "enqueued_at",
     "entry_cost",
     "entry_key",
-    "failed",
+    "unsucceeded",
 )
 
 
@@ -163,6 +163,6 @@ class Release:
         self.succeeded = succeeded  # else its release does not count as a success
 
 
-def failed(releases: dict[str, Release]) -> list[str]:
+def unsucceeded(releases: dict[str, Release]) -> list[str]:
     """The leases of ``releases`` whose requests did not succeed."""
     return [lease_id for lease_id, done in releases.items() if not done.succeeded]
