@@ -136,7 +136,62 @@ async def worker_throughput(spec: dict[str, Any]) -> None:
     print(json.dumps(count))
 
 
-WORKERS = {"wait": worker_wait, "pingpong": worker_pingpong, "throughput": worker_throughput}
+FLOOR_TABLE = "slotwise_pgbench.token"
+FLOOR_CHANNEL = "slotwise_floor"
+
+
+async def worker_floor(spec: dict[str, Any]) -> None:
+    """``pingpong`` without slotwise: the least a hand-off through the server takes with the
+    same round trips as a PostgresLimiter's, from the same kind of client (psycopg, asyncio).
+
+    The slot is one row naming its holder. The release is one transaction of two round trips,
+    as a limiter's round: the lock (``BEGIN`` and ``SELECT ... FOR UPDATE``, pipelined), then
+    the hand-over, its ``NOTIFY`` and ``COMMIT`` (pipelined). The other process, woken by the
+    notification on a connection that listens, reads the row (one statement in autocommit, as
+    a limiter reads its grant) and holds the slot when it names it. Nothing else: no queue,
+    no sweep, no decision, no lease, no task to wake. ``floor-1rt`` releases in one round trip
+    (the update locks the row itself): the least a design deciding in the server could take."""
+    me = spec["who"]
+    log: list[tuple[str, float]] = []
+    sync = [] if spec["synchronous_commit"] else ["SET LOCAL synchronous_commit = off"]
+    listen = await psycopg.AsyncConnection.connect(spec["dsn"], autocommit=True)
+    conn = await psycopg.AsyncConnection.connect(spec["dsn"], autocommit=True)
+    async with listen, conn:
+        await listen.execute(f"LISTEN {FLOOR_CHANNEL}")
+        for _ in range(spec["rounds"]):
+            while True:
+                cur = await conn.execute(f"SELECT holder FROM {FLOOR_TABLE} WHERE id = 1")
+                row = await cur.fetchone()
+                if row is not None and row[0] == me:
+                    break
+                # Until a notification, or a poll interval (a notification missed).
+                async for _ in listen.notifies(timeout=spec["poll_interval"], stop_after=1):
+                    pass
+            log.append(("got", time.time()))
+            await anyio.sleep(0.01)  # long enough for the other process to wait
+            log.append(("rel", time.time()))
+            async with conn.pipeline():
+                await conn.execute("BEGIN")
+                for statement in sync:
+                    await conn.execute(statement)
+                if spec["design"] == "floor":
+                    cur = await conn.execute(
+                        f"SELECT holder FROM {FLOOR_TABLE} WHERE id = 1 FOR UPDATE"
+                    )
+                    await cur.fetchone()  # the first round trip: the lock
+                await conn.execute(f"UPDATE {FLOOR_TABLE} SET holder = %s WHERE id = 1", [1 - me])
+                await conn.execute(f"NOTIFY {FLOOR_CHANNEL}")
+                await conn.execute("COMMIT")
+            await anyio.sleep(0.002)
+    print(json.dumps(log))
+
+
+WORKERS = {
+    "wait": worker_wait,
+    "pingpong": worker_pingpong,
+    "throughput": worker_throughput,
+    "floor": worker_floor,
+}
 
 
 # -- the driver -----------------------------------------------------------------------------
@@ -259,7 +314,7 @@ async def idle_queue(
 
 async def latency(dsn: str, design: str, durable: bool, rounds: int = 200) -> dict[str, float]:
     spec = {
-        "kind": "pingpong",
+        "kind": "floor" if design.startswith("floor") else "pingpong",
         "dsn": dsn,
         "name": f"latency-{design}-{durable}",
         "synchronous_commit": durable,
@@ -268,7 +323,16 @@ async def latency(dsn: str, design: str, durable: bool, rounds: int = 200) -> di
         "rounds": rounds,
         "poll_interval": 0.1,
     }
-    procs = [spawn(spec) for _ in range(2)]
+    if design.startswith("floor"):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE SCHEMA IF NOT EXISTS slotwise_pgbench")
+            conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {FLOOR_TABLE} (id int PRIMARY KEY, holder int)"
+            )
+            conn.execute(
+                f"INSERT INTO {FLOOR_TABLE} VALUES (1, 0) ON CONFLICT (id) DO UPDATE SET holder = 0"
+            )
+    procs = [spawn({**spec, "who": who}) for who in range(2)]
     logs = await anyio.to_thread.run_sync(results, procs)
     events = sorted((t, kind, who) for who, log in enumerate(logs) for kind, t in log)
     waits: list[float] = []
@@ -378,7 +442,15 @@ async def main(admin_dsn: str, only: list[str]) -> None:
                 report[key] = await idle_queue(dsn, design, durable)
                 print(key, report[key], flush=True)
     if "latency" in sections:
-        for design, durable in (("polling", True), ("notify", True), ("notify", False)):
+        for design, durable in (
+            ("polling", True),
+            ("notify", True),
+            ("floor", True),
+            ("floor-1rt", True),
+            ("notify", False),
+            ("floor", False),
+            ("floor-1rt", False),
+        ):
             key = f"latency[{design}, durable={durable}]"
             report[key] = await latency(dsn, design, durable)
             print(key, report[key], flush=True)
