@@ -10,7 +10,9 @@ transaction every ``poll_interval``, no notifications):
 1. idle queue: 200 waiting requests in 4 processes, every slot held, poll_interval 100 ms:
    committed transactions per second, and CPU (clients and server backends, in cores);
 2. grant latency after a release: two processes hand one slot back and forth; the time
-   from the start of ``release()`` in one to ``acquire()`` returning in the other;
+   from the start of ``release()`` in one to ``acquire()`` returning in the other; beside
+   it the floor of such a hand-off on this server (``floor``: raw psycopg, the same round
+   trips, nothing else; ``floor-1rt``: the release in one round trip);
 3. throughput: 4 processes x 50 tasks take and release slots of an 8-slot limiter as fast
    as they can, with durable and with asynchronous commits.
 
