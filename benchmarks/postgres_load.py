@@ -3,7 +3,7 @@
     python benchmarks/postgres_load.py [--dsn postgresql://postgres@127.0.0.1:5432/test]
 
 Runs in a database of its own (``slotwise_bench``, created if missing) so that the server's
-transaction counters count this benchmark alone. Three measurements, each against the
+transaction counters count this benchmark alone. Four measurements, the first three against the
 reference design in the same run (``polling``: every waiting request runs its own allocation
 transaction every ``poll_interval``, no notifications):
 
@@ -23,7 +23,11 @@ committing, durable and asynchronous. A limiter's allocations serialise on its r
 same way, so its transactions per second cannot exceed that figure; its grants per second can,
 by granting several slots per transaction.
 
-``--only idle|latency|throughput|pgbench`` (repeatable) runs some sections alone.
+4. the steps of a hand-off: the median time of each, from ``release()`` in one process to
+   ``acquire()`` returning in the other (the release's round, the notification, the read
+   of the grant), to say which bounds the latency.
+
+``--only idle|latency|steps|throughput|pgbench`` (repeatable) runs some sections alone.
 """
 
 from __future__ import annotations
@@ -105,9 +109,47 @@ async def worker_wait(spec: dict[str, Any]) -> None:
     print(json.dumps({}))
 
 
+def timed_steps(log: list[tuple[str, float]]) -> None:
+    """In this worker process: log when PostgresLimiter's transactions start and end
+    (``tx``; ``rd`` for the lock-free read of a grant) and when a notification arrives
+    (``note``)."""
+    cls: Any = PostgresLimiter
+    transaction, notified = cls._transaction, cls._notified
+    cycle, check_lock = cls._cycle, cls._check_lock
+
+    async def timed(
+        self: Any, body: Any, retry: bool, read: bool = False, ddl: bool = False
+    ) -> Any:
+        kind = "rd" if read else "tx"
+        log.append((f"{kind}0", time.time()))
+        try:
+            return await transaction(self, body, retry, read, ddl)
+        finally:
+            log.append((f"{kind}1", time.time()))
+
+    def note(self: Any, payload: str) -> None:
+        log.append(("note", time.time()))
+        notified(self, payload)
+
+    async def allocation(self: Any, conn: Any, **kwargs: Any) -> Any:
+        try:
+            return await cycle(self, conn, **kwargs)
+        finally:
+            log.append(("decided", time.time()))  # the round's statements sent, not synced
+
+    def locked(self: Any, row: Any) -> None:
+        log.append(("locked", time.time()))  # the first round trip's answer is here
+        check_lock(self, row)
+
+    cls._transaction, cls._notified, cls._cycle, cls._check_lock = timed, note, allocation, locked
+
+
 async def worker_pingpong(spec: dict[str, Any]) -> None:
-    """Take the single slot, hold it briefly, release it; log release and grant times."""
+    """Take the single slot, hold it briefly, release it; log release and grant times (and,
+    with ``steps``, the times of each step in between: see timed_steps)."""
     log: list[tuple[str, float]] = []
+    if spec.get("steps"):
+        timed_steps(log)
     async with limiter_for(spec) as limiter:
         for _ in range(spec["rounds"]):
             lease = await acquire(limiter, spec["design"])
@@ -353,6 +395,68 @@ async def latency(dsn: str, design: str, durable: bool, rounds: int = 200) -> di
     }
 
 
+# The steps of a hand-off, in order: (what, from, to, in which process: 0 the releasing one).
+STEPS = (
+    ("release() to its round's start", "rel", "tx0", 0),
+    ("round: connection, lock, sweep, load (first round trip)", "tx0", "locked", 0),
+    ("round: the decision", "locked", "decided", 0),
+    ("round: grant, notification, commit (second round trip)", "decided", "tx1", 0),
+    ("the notification reaches the waiting process", "decided", "note", 1),
+    ("its poller wakes for it", "note", "rd0", 1),
+    ("its read of the grant (third round trip)", "rd0", "rd1", 1),
+    ("acquire() returns", "rd1", "got", 1),
+)
+
+
+async def steps(dsn: str, durable: bool, rounds: int = 300) -> dict[str, float]:
+    """The median of each step of a hand-off (``pingpong`` with timestamps in between): from
+    ``release()`` in one process, its round's transaction (connection, lock, sweep, load,
+    decision, grant, notification, commit), the notification's arrival in the other, its
+    poller's read of the grant, and ``acquire()`` returning there."""
+    spec = {
+        "kind": "pingpong",
+        "dsn": dsn,
+        "name": f"steps-{durable}",
+        "synchronous_commit": durable,
+        "max_concurrent": 1,
+        "design": "notify",
+        "rounds": rounds,
+        "poll_interval": 0.1,
+        "steps": True,
+    }
+    logs = await anyio.to_thread.run_sync(results, [spawn(spec) for _ in range(2)])
+    events = sorted((t, kind, who) for who, log in enumerate(logs) for kind, t in log)
+    spans: dict[str, list[float]] = {label: [] for label, *_ in STEPS}
+    spans["hand-off"] = []
+    for i, (start, kind, who) in enumerate(events):
+        if kind != "rel":
+            continue
+        # Each step's first event after its own start, in the process it happens in.
+        at = {"rel": start}
+        for _, first, last, side in STEPS:
+            found = next(
+                (
+                    t
+                    for t, k, w in events[i + 1 :]
+                    if k == last and w == (who if side == 0 else 1 - who) and t >= at[first]
+                ),
+                None,
+            )
+            if found is None:
+                break
+            at[last] = found
+        else:
+            if at["got"] - start < 0.2:  # a hand-off, not the end of the run
+                # The commit's answer and the notification race: the chain follows the
+                # notification.
+                for label, first, last, _ in STEPS:
+                    spans[label].append((at[last] - at[first]) * 1000)
+                spans["hand-off"].append((at["got"] - start) * 1000)
+    return {f"{label}, p50 ms": statistics.median(v) for label, v in spans.items() if v} | {
+        "handoffs": len(spans["hand-off"])
+    }
+
+
 async def throughput(dsn: str, design: str, durable: bool, seconds: float = 6.0) -> float:
     spec = {
         "kind": "throughput",
@@ -421,7 +525,7 @@ def pgbench_ceiling(dsn: str, durable: bool, seconds: int = 5) -> float:
     return float(match.group(1))
 
 
-SECTIONS = ("pgbench", "idle", "latency", "throughput")
+SECTIONS = ("pgbench", "idle", "latency", "steps", "throughput")
 
 
 async def main(admin_dsn: str, only: list[str]) -> None:
@@ -455,6 +559,11 @@ async def main(admin_dsn: str, only: list[str]) -> None:
         ):
             key = f"latency[{design}, durable={durable}]"
             report[key] = await latency(dsn, design, durable)
+            print(key, report[key], flush=True)
+    if "steps" in sections:
+        for durable in (True, False):
+            key = f"latency_steps[notify, durable={durable}]"
+            report[key] = await steps(dsn, durable)
             print(key, report[key], flush=True)
     if "throughput" in sections:
         for design in ("polling", "notify"):
