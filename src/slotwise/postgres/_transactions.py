@@ -2,8 +2,9 @@
 every step bounded by ``db_timeout``), the schema checks, the limiter's registration, the
 allocation round, and the reads and writes of renewals, grants and stats.
 
-`Transactions` is the first layer of PostgresLimiter: `_limiter.PostgresLimiter` builds on
-it. The statements are in `_sql`, the tables in `_schema`."""
+`Transactions` is the first layer of PostgresLimiter: `_coordinator.Coordinator` (the poller
+and the listener of each process) builds on it, and `_limiter.PostgresLimiter` (the public
+face) on that. The statements are in `_sql`, the tables in `_schema`."""
 
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ class Transactions(BuiltinLimiter[W]):
     synchronous_commit: bool
 
     if TYPE_CHECKING:
-        # PostgresLimiter's: the limits in force, and taking them.
+        # The coordinator's (see _coordinator): the limits in force, and taking them.
 
         def _adopt(self, settings: Settings, version: int) -> None: ...
 
