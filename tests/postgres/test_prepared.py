@@ -50,6 +50,40 @@ async def test_statements_are_prepared_only_when_the_pool_reaches_the_server(
         assert statements == []
 
 
+async def test_the_rounds_prepared_statements_run_on_generic_plans(
+    tagged_dsn: str, schema: str
+) -> None:
+    """Left to choose (plan_cache_mode=auto), the server plans the sweep and the load again
+    at every execution, while the limiter's row lock is held: the rounds ask for generic
+    plans (planned once per connection) instead."""
+    async with (
+        AsyncConnectionPool(
+            tagged_dsn, min_size=1, max_size=1, open=False, kwargs={"autocommit": True}
+        ) as pool,
+        PostgresLimiter(pool, name="plans", schema=schema, max_concurrent=2) as limiter,
+    ):
+        async with pool.connection() as conn:
+            if conn.info.server_version < 140000:
+                pytest.skip("pg_prepared_statements counts the plans from PostgreSQL 14 on")
+        for _ in range(8):
+            await _one_round(limiter)
+        async with pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements",
+                prepare=False,
+            )
+            plans = {row[0]: (row[1], row[2]) for row in await cur.fetchall()}
+        # Not changed for anything else on the connection.
+        async with pool.connection() as conn:
+            cur = await conn.execute("SHOW plan_cache_mode", prepare=False)
+            assert await cur.fetchone() == ("auto",)
+    rounds = {s: p for s, p in plans.items() if "FOR UPDATE" in s or "WITH live AS" in s}
+    assert len(rounds) == 2, plans
+    for statement, (generic, custom) in rounds.items():
+        assert custom == 0, (statement, generic, custom)
+        assert generic >= 8, (statement, generic, custom)
+
+
 async def test_statements_the_server_lost_cost_a_retry_and_are_prepared_no_more(
     tagged_dsn: str, schema: str, caplog: pytest.LogCaptureFixture
 ) -> None:

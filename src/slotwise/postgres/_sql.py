@@ -58,8 +58,13 @@ class Queries:
             "UPDATE {s}.limiters SET settings = %s::jsonb, updated_at = clock_timestamp(), "
             "limits = NULL, limits_version = limits_version + 1 WHERE name = %s"
         )
+        # The transaction's timeouts, and generic plans for its prepared statements: left to
+        # choose, the server plans the sweep and the load again at every execution (custom
+        # plans), while the limiter's row lock is held. plan_cache_mode is PostgreSQL 12's.
         self.timeouts = q(
-            "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)"
+            "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true),"
+            " CASE WHEN current_setting('server_version_num')::int >= 120000"
+            " THEN set_config('plan_cache_mode', 'force_generic_plan', true) END"
         )
         # The rates and pushback state, and the limits in force when they are not those
         # this process last saw; with the row lock and the check of lock_limiter.
