@@ -15,6 +15,7 @@ import anyio
 import pytest
 from trio.testing import MockClock
 
+import slotwise
 import slotwise._core.rates as core_rates
 from slotwise import Adaptive, ConcurrencyConfigError, MemoryLimiter, Rate
 from slotwise._core.adaptive import Aimd
@@ -192,13 +193,33 @@ def test_a_request_larger_than_the_learned_capacity_waits_for_a_full_bucket() ->
 # -- slow start -------------------------------------------------------------------------------
 
 
+async def _wave(limiter: MemoryLimiter, n: int) -> None:
+    """``n`` slots taken at once, then released one after the other: ``n``, ``n - 1``, ...,
+    1 in use at the releases. A success counts only with at least half the limit in use."""
+    held = [await slotwise.acquire(limiter=limiter) for _ in range(n)]
+    for slot in held:
+        await slot.release()
+
+
 def test_slow_start_climbs_one_per_success_until_the_first_pushback() -> None:
     aimd = Aimd(floor=2, ceiling=32, backoff=0.5, limit=2, slow_start=True)
-    assert [aimd.success(0) for _ in range(4)] == [3, 4, 5, 6]
+    assert [aimd.success(0, 32) for _ in range(4)] == [3, 4, 5, 6]
     assert aimd.pushback(0) == 3
     assert not aimd.slow_start
     # From here on the additive climb: one slot per round trip (as many successes as the limit).
-    assert [aimd.success(1) for _ in range(3)] == [None, None, 4]
+    assert [aimd.success(1, 3) for _ in range(3)] == [None, None, 4]
+
+
+def test_a_success_with_less_than_half_the_limit_in_use_does_not_count() -> None:
+    # A limit not reached (the buckets or the demand held the requests back) says nothing of
+    # the room above it: neither slow start nor the additive climb moves on it.
+    aimd = Aimd(floor=2, ceiling=32, backoff=0.5, limit=8, slow_start=True)
+    assert [aimd.success(0, 3) for _ in range(10)] == [None] * 10
+    assert aimd.success(0, 4) == 9
+    aimd.pushback(0)  # 4, additive from here on
+    assert [aimd.success(1, 1) for _ in range(10)] == [None] * 10
+    assert aimd.credit == 0.0
+    assert [aimd.success(1, 2) for _ in range(4)] == [None, None, None, 5]
 
 
 async def test_an_adaptive_limit_in_slow_start_begins_at_min_concurrent() -> None:
@@ -223,10 +244,17 @@ async def test_an_adaptive_limit_in_slow_start_begins_at_min_concurrent() -> Non
         assert limiter.stats_nowait().effective_max_concurrent == 3
         await third.wait()
     assert limiter.stats_nowait().effective_max_concurrent == 4  # its success too
-    await first[1].__aexit__(None, None, None)
-    for _ in range(20):
-        async with limiter.slot():
-            pass
+    await first[1].__aexit__(None, None, None)  # 1 in use of 4: does not count
+    assert limiter.stats_nowait().effective_max_concurrent == 4
+
+    async def busy() -> None:
+        for _ in range(10):
+            async with limiter.slot(allow_nested=True):
+                await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:  # a demand of 32 at once
+        for _ in range(32):
+            tg.start_soon(busy)
     assert limiter.stats_nowait().effective_max_concurrent == 16  # never above the maximum
 
 
@@ -234,19 +262,17 @@ async def test_a_pushback_ends_slow_start() -> None:
     limiter = MemoryLimiter(
         name="slow", max_concurrent=16, adaptive=Adaptive(min_concurrent=2, slow_start=True)
     )
-    for _ in range(8):
-        async with limiter.slot():
-            pass
+    # Each wave at the limit: one slot more per counted success (in use, then the limit:
+    # 2 of 2: 3; then 3 of 3: 4, 2 of 4: 5; 5 of 5: 6, 4 of 6: 7; 7, 6, 5 of 7: 10).
+    for limit in (2, 3, 5, 7):
+        await _wave(limiter, limit)
     assert limiter.stats_nowait().effective_max_concurrent == 10
     async with limiter.slot() as slot:
         slot.throttled(retry_after=0.0)
     assert limiter.stats_nowait().effective_max_concurrent == 5
-    for _ in range(4):
-        async with limiter.slot():
-            pass
+    await _wave(limiter, 5)  # 3 counted successes (5, 4 and 3 in use)
     assert limiter.stats_nowait().effective_max_concurrent == 5  # additive now: 5 successes
-    async with limiter.slot():
-        pass
+    await _wave(limiter, 5)
     assert limiter.stats_nowait().effective_max_concurrent == 6
 
 
@@ -258,8 +284,7 @@ async def test_set_limits_does_not_end_a_slow_start() -> None:
         pass
     await limiter.set_limits(max_concurrent=12)
     assert limiter.stats_nowait().effective_max_concurrent == 3
-    async with limiter.slot():
-        pass
+    await _wave(limiter, 2)  # 2 in use of 3 counts, 1 does not
     assert limiter.stats_nowait().effective_max_concurrent == 4  # still one per success
 
 

@@ -581,8 +581,15 @@ async def test_the_adaptive_limit_falls_on_pushback_and_climbs_on_success() -> N
         for h in held:
             await h.__aexit__(None, None, None)
         assert limiter.stats_nowait().effective_max_concurrent == 2
-        # Successes: one more slot per round trip (as many successes as the limit).
-        for _ in range(2 + 3):
+        # Successes with at least half the limit in use: one more slot per round trip (as
+        # many counted successes as the limit). Two slots at a time: at a limit of 3, the
+        # release that leaves one in use does not count.
+        for _ in range(1 + 3):
+            async with limiter.slot(), limiter.slot(allow_nested=True):
+                pass
+        assert limiter.stats_nowait().effective_max_concurrent == 4
+        # One slot at a time, a quarter of the limit: says nothing of the room above it.
+        for _ in range(4 * 4):
             async with limiter.slot():
                 pass
         assert limiter.stats_nowait().effective_max_concurrent == 4

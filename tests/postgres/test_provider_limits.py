@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from slotwise import Adaptive, Rate
+from slotwise import Adaptive, Rate, acquire
 from slotwise.postgres import PostgresLimiter
 
 pytestmark = pytest.mark.anyio
@@ -55,9 +55,12 @@ async def test_an_adaptive_limit_in_slow_start_begins_at_min_concurrent_everywhe
     }
     limiter, other = make(**limits), make(**limits)
     assert (await other.stats()).effective_max_concurrent == 2
-    for _ in range(3):
-        async with limiter.slot():
-            pass
+    # Waves at the limit, released one after the other (a success counts with at least half
+    # the limit in use): 2 of 2 in use: 3; then 3 of 3: 4, and 2 of 4: 5.
+    for n in (2, 3):
+        held = [await acquire(limiter=limiter) for _ in range(n)]
+        for slot in held:
+            await slot.release()
     assert (await other.stats()).effective_max_concurrent == 5
     async with limiter.slot() as slot:
         slot.throttled(retry_after=0.0)

@@ -433,8 +433,16 @@ async def test_the_adaptive_limit_is_shared_falls_on_pushback_and_climbs_on_succ
     for slot in slots:
         await slot.release()
     assert (await other.stats()).effective_max_concurrent == 2
-    # Successes: one more slot per round trip (as many successes as the limit).
-    for _ in range(2 + 3):
+    # Successes with at least half the limit in use: one more slot per round trip (as many
+    # counted successes as the limit). Two slots at a time, released one after the other:
+    # at a limit of 3, the release that leaves one in use does not count.
+    for _ in range(1 + 3):
+        first, second = await acquire(limiter=limiter), await acquire(limiter=limiter)
+        await first.release()
+        await second.release()
+    assert (await other.stats()).effective_max_concurrent == 4
+    # One slot at a time, a quarter of the limit: says nothing of the room above it.
+    for _ in range(4 * 4):
         async with limiter.slot():
             pass
     assert (await other.stats()).effective_max_concurrent == 4
@@ -470,8 +478,10 @@ async def test_cancelled_and_failed_requests_are_no_successes(make: Make) -> Non
         tg.start_soon(failed.release, "cancelled")
         tg.start_soon(fine.release)
     assert (await other.stats()).effective_max_concurrent == 3
-    async with limiter.slot():
-        pass
+    # Two in use of 3 when the first is released: a counted success; one in use: not.
+    first, second = await acquire(limiter=limiter), await acquire(limiter=limiter)
+    await first.release()
+    await second.release()
     assert (await other.stats()).effective_max_concurrent == 4
 
 

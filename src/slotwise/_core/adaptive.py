@@ -7,6 +7,11 @@ climbs by one. A burst of refusals of requests that were all in flight before a 
 counts once: each lease remembers the ``epoch`` it was granted in, and only leases granted
 since the last decrease can cause the next one (or count as successes for the climb).
 
+A success counts only when at least half the limit was in use at its release (as in Netflix's
+concurrency-limits): a limit that is not reached, because the rate buckets or the demand hold
+the requests back, says nothing of the room above it, and climbing on such successes would
+leave the limit far above what the provider takes by the time the requests come back.
+
 Slow start (as TCP's): a limit that starts at ``floor`` rather than at its ceiling climbs by one
 on every success, so that it doubles each round trip, until the first pushback; from there on
 the climb is additive. No more requests than the starting limit reach the provider before it
@@ -59,9 +64,10 @@ class Aimd:
         self.limit = lower
         return lower
 
-    def success(self, granted_in: int) -> int | None:
-        """A request granted in epoch ``granted_in`` succeeded: the new limit, or None."""
-        if granted_in < self.epoch or self.limit >= self.ceiling:
+    def success(self, granted_in: int, in_use: int) -> int | None:
+        """A request granted in epoch ``granted_in`` succeeded, with ``in_use`` slots in use
+        at its release (its own included): the new limit, or None."""
+        if granted_in < self.epoch or self.limit >= self.ceiling or 2 * in_use < self.limit:
             return None
         if self.slow_start:
             self.limit += 1

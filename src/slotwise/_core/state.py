@@ -334,7 +334,7 @@ class LimiterState:
         if record.succeeded:
             self._backoffs = 0
             if self.aimd is not None:
-                new = self.aimd.success(record.epoch)
+                new = self.aimd.success(record.epoch, len(self.leases) + 1)
                 if new is not None:
                     self._set_limit(new)
         return self._allocate(now) if self.queued else []

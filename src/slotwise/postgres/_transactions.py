@@ -505,7 +505,10 @@ class Transactions(BuiltinLimiter[W]):
             else:
                 pace.bank.observe(item.kind, item.remaining, now)
         # [epoch, throttled, lease_id] of each lease released here, in the order given.
-        for epoch, throttled, lease_id in swept_row[-1] or ():
+        released = swept_row[-1] or ()
+        # The slots in use as these were released: what is held now, and themselves.
+        in_use = sum(dict(active_rows or {}).values()) + len(released)
+        for epoch, throttled, lease_id in released:
             if throttled or lease_id in failed:
                 continue
             # A success: the backoff starts again from a second; an adaptive limit climbs.
@@ -514,7 +517,7 @@ class Transactions(BuiltinLimiter[W]):
                 pace.dirty = True
             if pace.aimd is not None:
                 old_limit, credit = pace.aimd.limit, pace.aimd.credit
-                new_limit = pace.aimd.success(int(epoch))
+                new_limit = pace.aimd.success(int(epoch), in_use)
                 pace.dirty = pace.dirty or new_limit is not None or pace.aimd.credit != credit
                 if new_limit is not None:
                     changes.append((old_limit, new_limit, "recovered"))
