@@ -604,6 +604,28 @@ async def test_the_adaptive_limit_falls_on_pushback_and_climbs_on_success() -> N
     ]
 
 
+async def test_unused_reservations_count_as_occupied_for_the_climb() -> None:
+    # A success counts with half the limit occupied: slots held, and reserved slots left
+    # unused, which no other workload can take. Here the limit starts at the reservation:
+    # "batch" can take nothing until it climbs on "chat"'s successes, though "chat" uses
+    # only 3 of its 8 slots.
+    limiter = MemoryLimiter(
+        name="reserved",
+        max_concurrent=20,
+        workloads={"batch": Workload(), "chat": Workload(reserved=8)},
+        default_workload="batch",
+        adaptive=Adaptive(min_concurrent=8, slow_start=True),
+    )
+    assert limiter.stats_nowait().effective_max_concurrent == 8
+    held = [await slotwise.acquire("chat", limiter=limiter) for _ in range(3)]
+    for slot in held:
+        await slot.release()  # 8 occupied each time: 3, 2, 1 held and the rest reserved
+    assert limiter.stats_nowait().effective_max_concurrent == 11
+    with anyio.fail_after(5):
+        async with limiter.slot("batch"):
+            assert limiter.stats_nowait().workloads["batch"].active == 1
+
+
 @on_mock_clock()
 async def test_cancelled_and_failed_requests_are_no_successes() -> None:
     # A cancelled or failed body says nothing of the provider's room: the adaptive limit does

@@ -77,8 +77,9 @@ class Adaptive:
     effective `max_concurrent` is multiplied by `backoff` (at most once per round trip: a
     burst of refusals of requests already in flight counts once); after as many successful
     requests as the effective limit (one round trip), it climbs by one slot. A success counts
-    only if at least half the limit was in use when it ended: a limit that the rate buckets
-    or the demand keep from being reached says nothing of the room above it. It stays between
+    only if at least half the limit was occupied when it ended (held, or reserved and unused):
+    a limit that the rate buckets or the demand keep from being reached says nothing of the
+    room above it. It stays between
     `min_concurrent` and the limiter's `max_concurrent`, and shrinking never revokes a held
     slot: new grants wait until fewer are active than the new limit.
 

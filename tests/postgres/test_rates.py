@@ -455,6 +455,26 @@ async def test_the_adaptive_limit_is_shared_falls_on_pushback_and_climbs_on_succ
     ]
 
 
+async def test_unused_reservations_count_as_occupied_for_the_climb(make: Make) -> None:
+    # As with MemoryLimiter: "chat" uses 3 of its 8 reserved slots, the rest no one else can
+    # take, so the limit (at the reservation, "batch" can take nothing) is full and climbs.
+    limits: dict[str, Any] = {
+        "max_concurrent": 20,
+        "workloads": {"batch": Workload(), "chat": Workload(reserved=8)},
+        "default_workload": "batch",
+        "adaptive": Adaptive(min_concurrent=8, slow_start=True),
+    }
+    limiter, other = make(**limits), make(**limits)
+    assert (await other.stats()).effective_max_concurrent == 8
+    held = [await acquire("chat", limiter=limiter) for _ in range(3)]
+    for slot in held:
+        await slot.release()
+    assert (await other.stats()).effective_max_concurrent == 11
+    with anyio.fail_after(10):
+        async with other.slot("batch"):
+            pass
+
+
 async def test_cancelled_and_failed_requests_are_no_successes(make: Make) -> None:
     # A cancelled or failed body says nothing of the provider's room: the shared adaptive
     # limit does not climb on it.

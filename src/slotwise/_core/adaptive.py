@@ -7,8 +7,9 @@ climbs by one. A burst of refusals of requests that were all in flight before a 
 counts once: each lease remembers the ``epoch`` it was granted in, and only leases granted
 since the last decrease can cause the next one (or count as successes for the climb).
 
-A success counts only when at least half the limit was in use at its release (as in Netflix's
-concurrency-limits): a limit that is not reached, because the rate buckets or the demand hold
+A success counts only when at least half the limit was occupied at its release (as in Netflix's
+concurrency-limits; occupied: held, or reserved for a workload and not in use, which no other
+workload can take): a limit that is not reached, because the rate buckets or the demand hold
 the requests back, says nothing of the room above it, and climbing on such successes would
 leave the limit far above what the provider takes by the time the requests come back.
 
@@ -64,10 +65,11 @@ class Aimd:
         self.limit = lower
         return lower
 
-    def success(self, granted_in: int, in_use: int) -> int | None:
-        """A request granted in epoch ``granted_in`` succeeded, with ``in_use`` slots in use
-        at its release (its own included): the new limit, or None."""
-        if granted_in < self.epoch or self.limit >= self.ceiling or 2 * in_use < self.limit:
+    def success(self, granted_in: int, occupied: int) -> int | None:
+        """A request granted in epoch ``granted_in`` succeeded, with ``occupied`` slots
+        occupied at its release (its own included; see `slotwise._core.rules.occupied`):
+        the new limit, or None."""
+        if granted_in < self.epoch or self.limit >= self.ceiling or 2 * occupied < self.limit:
             return None
         if self.slow_start:
             self.limit += 1

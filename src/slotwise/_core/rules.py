@@ -18,7 +18,7 @@ import attrs
 
 from .rates import Bank, BucketRule, Cost
 
-__all__ = ("Rules", "WorkloadRule", "allocate", "has_room", "shared_in_use")
+__all__ = ("Rules", "WorkloadRule", "allocate", "has_room", "occupied", "shared_in_use")
 
 E = TypeVar("E")
 
@@ -53,6 +53,15 @@ def shared_in_use(rules: Rules, active: Mapping[str, int]) -> int:
     return sum(
         max(0, active.get(name, 0) - rule.reserved) for name, rule in rules.workloads.items()
     )
+
+
+def occupied(rules: Rules, active: Mapping[str, int]) -> int:
+    """The slots that a new request of no workload can take: those held, and the
+    reservations not in use (a reserved slot is never lent)."""
+    unused = sum(
+        max(0, rule.reserved - active.get(name, 0)) for name, rule in rules.workloads.items()
+    )
+    return sum(active.values()) + unused
 
 
 def has_room(

@@ -23,7 +23,7 @@ import attrs
 from .._errors import ConcurrencyConfigError, ConcurrencyQueueFullError
 from .adaptive import Aimd, backoff_delay
 from .rates import Bank, Cost
-from .rules import Rules, WorkloadRule, allocate, has_room
+from .rules import Rules, WorkloadRule, allocate, has_room, occupied
 
 __all__ = (
     "LeaseRecord",
@@ -324,6 +324,10 @@ class LimiterState:
         record = self.leases.pop(lease_id, None)
         if record is None:
             return []
+        # An adaptive limit counts a success only with half the limit occupied (this one too).
+        busy = (
+            occupied(self.rules, self.active) if record.succeeded and self.aimd is not None else 0
+        )
         workload = record.workload  # _drop(), inlined: the path of every release
         held = self.active[workload] - 1
         self.active[workload] = held
@@ -334,7 +338,7 @@ class LimiterState:
         if record.succeeded:
             self._backoffs = 0
             if self.aimd is not None:
-                new = self.aimd.success(record.epoch, len(self.leases) + 1)
+                new = self.aimd.success(record.epoch, busy)
                 if new is not None:
                     self._set_limit(new)
         return self._allocate(now) if self.queued else []

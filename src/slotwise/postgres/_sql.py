@@ -125,7 +125,7 @@ class Queries:
                 WHERE limiter = %(name)s
                   AND (expires_at <= clock_timestamp() OR lease_id = ANY(%(release)s::uuid[])
                        OR (entry_id = ANY(%(withdraw)s::uuid[]) AND owner = %(owner)s::uuid))
-                RETURNING lease_id, epoch, throttled
+                RETURNING lease_id, epoch, throttled, workload
             ), stale AS (
                 DELETE FROM {s}.queue
                 WHERE limiter = %(name)s
@@ -145,7 +145,7 @@ class Queries:
             )
             SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM stale),
                    (SELECT count(*) FROM beat), (SELECT count(*) FROM dead),
-                   (SELECT json_agg(json_build_array(epoch, throttled, lease_id)
+                   (SELECT json_agg(json_build_array(epoch, throttled, lease_id, workload)
                                     ORDER BY array_position(%(release)s::uuid[], lease_id))
                     FROM gone WHERE lease_id = ANY(%(release)s::uuid[]))
             """

@@ -24,6 +24,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .._base import BuiltinLimiter
 from .._config import Settings
+from .._core.rules import occupied
 from .._core.state import (
     allocate_paced,
     carry_over,
@@ -504,11 +505,16 @@ class Transactions(BuiltinLimiter[W]):
                 pace.bank.learn(item.kind, item.limit, now)
             else:
                 pace.bank.observe(item.kind, item.remaining, now)
-        # [epoch, throttled, lease_id] of each lease released here, in the order given.
+        # [epoch, throttled, lease_id, workload] of each lease released here, in the order
+        # given.
         released = swept_row[-1] or ()
-        # The slots in use as these were released: what is held now, and themselves.
-        in_use = sum(dict(active_rows or {}).values()) + len(released)
-        for epoch, throttled, lease_id in released:
+        # The slots occupied as these were released (what is held now, themselves, and the
+        # reservations not in use), for an adaptive limit.
+        held = dict(active_rows or {})
+        for *_, workload in released:
+            held[workload] = held.get(workload, 0) + 1
+        busy = occupied(settings.rules, held)
+        for epoch, throttled, lease_id, _ in released:
             if throttled or lease_id in failed:
                 continue
             # A success: the backoff starts again from a second; an adaptive limit climbs.
@@ -517,7 +523,7 @@ class Transactions(BuiltinLimiter[W]):
                 pace.dirty = True
             if pace.aimd is not None:
                 old_limit, credit = pace.aimd.limit, pace.aimd.credit
-                new_limit = pace.aimd.success(int(epoch), in_use)
+                new_limit = pace.aimd.success(int(epoch), busy)
                 pace.dirty = pace.dirty or new_limit is not None or pace.aimd.credit != credit
                 if new_limit is not None:
                     changes.append((old_limit, new_limit, "recovered"))
