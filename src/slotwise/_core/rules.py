@@ -56,8 +56,8 @@ def shared_in_use(rules: Rules, active: Mapping[str, int]) -> int:
 
 
 def occupied(rules: Rules, active: Mapping[str, int]) -> int:
-    """The slots that a new request of no workload can take: those held, and the
-    reservations not in use (a reserved slot is never lent)."""
+    """The slots taken or set aside: those held, and the reservations not in use, which no
+    other workload can take (a reserved slot is never lent)."""
     unused = sum(
         max(0, rule.reserved - active.get(name, 0)) for name, rule in rules.workloads.items()
     )
