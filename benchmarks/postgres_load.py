@@ -14,7 +14,10 @@ transaction every ``poll_interval``, no notifications):
    it the floor of such a hand-off on this server (``floor``: raw psycopg, the same round
    trips, nothing else; ``floor-1rt``: the release in one round trip);
 3. throughput: 4 processes x 50 tasks take and release slots of an 8-slot limiter as fast
-   as they can, with durable and with asynchronous commits.
+   as they can, with durable and with asynchronous commits;
+4. the steps of a hand-off: the median time of each, from ``release()`` in one process to
+   ``acquire()`` returning in the other (the release's round, the notification, the read
+   of the grant), to say which bounds the latency.
 
 Beside them, the ceiling of the server for the kind of transaction every allocation is:
 ``pgbench`` (from ``pg_config --bindir``), 4 clients for 5 s, each transaction locking one row
@@ -22,10 +25,6 @@ of a one-row table of the benchmark's own (``SELECT ... FOR UPDATE``), updating 
 committing, durable and asynchronous. A limiter's allocations serialise on its row lock the
 same way, so its transactions per second cannot exceed that figure; its grants per second can,
 by granting several slots per transaction.
-
-4. the steps of a hand-off: the median time of each, from ``release()`` in one process to
-   ``acquire()`` returning in the other (the release's round, the notification, the read
-   of the grant), to say which bounds the latency.
 
 ``--only idle|latency|steps|throughput|pgbench`` (repeatable) runs some sections alone.
 """
@@ -356,6 +355,13 @@ async def idle_queue(
     }
 
 
+async def two_workers(spec: dict[str, Any]) -> list[tuple[float, str, int]]:
+    """Run two worker processes (``who`` 0 and 1) and merge their logs: (time, event, who),
+    in time order."""
+    logs = await anyio.to_thread.run_sync(results, [spawn({**spec, "who": who}) for who in (0, 1)])
+    return sorted((t, kind, who) for who, log in enumerate(logs) for kind, t in log)
+
+
 async def latency(dsn: str, design: str, durable: bool, rounds: int = 200) -> dict[str, float]:
     spec = {
         "kind": "floor" if design.startswith("floor") else "pingpong",
@@ -376,9 +382,7 @@ async def latency(dsn: str, design: str, durable: bool, rounds: int = 200) -> di
             conn.execute(
                 f"INSERT INTO {FLOOR_TABLE} VALUES (1, 0) ON CONFLICT (id) DO UPDATE SET holder = 0"
             )
-    procs = [spawn({**spec, "who": who}) for who in range(2)]
-    logs = await anyio.to_thread.run_sync(results, procs)
-    events = sorted((t, kind, who) for who, log in enumerate(logs) for kind, t in log)
+    events = await two_workers(spec)
     waits: list[float] = []
     last_release: tuple[float, int] | None = None
     for t, kind, who in events:
@@ -424,8 +428,7 @@ async def steps(dsn: str, durable: bool, rounds: int = 300) -> dict[str, float]:
         "poll_interval": 0.1,
         "steps": True,
     }
-    logs = await anyio.to_thread.run_sync(results, [spawn(spec) for _ in range(2)])
-    events = sorted((t, kind, who) for who, log in enumerate(logs) for kind, t in log)
+    events = await two_workers(spec)
     spans: dict[str, list[float]] = {label: [] for label, *_ in STEPS}
     spans["hand-off"] = []
     for i, (start, kind, who) in enumerate(events):
