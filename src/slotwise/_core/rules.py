@@ -124,48 +124,56 @@ def allocate(
     takes from them while they lack its cost. A workload's own buckets serve that workload
     only.
     """
-    counts = dict(active)
     if shared_used is None:
-        shared_used = shared_in_use(rules, counts)
+        shared_used = shared_in_use(rules, active)
     rated = bank is not None and bool(bank)
     if len(queues) == 1 and not rated:
         # One workload waiting and no rates: its heads in order while it has room (the
         # hand-off of most limiters), without choosing among workloads.
         ((name, queue),) = queues.items()
-        reserved = rules.workloads[name].reserved
+        rule = rules.workloads[name]
+        held = active.get(name, 0)
         lone: list[E] = []
         for head in queue:
-            if not has_room(rules, counts, name, shared_used):
-                break
+            if held >= rule.ceiling or (held >= rule.reserved and shared_used >= rules.shared):
+                break  # has_room(), inlined
             lone.append(head)
-            held = counts.get(name, 0)
-            if held >= reserved:
+            if held >= rule.reserved:
                 shared_used += 1
-            counts[name] = held + 1
+            held += 1
         return lone
+    counts = dict(active)
     cursors: dict[str, Iterator[E]] = {}
     heads: dict[str, E] = {}
+    keys: dict[str, Any] = {}  # each head's order(), asked once
     for name, queue in queues.items():
         cursor = iter(queue)
         head = next(cursor, _EMPTY)
         if head is not _EMPTY:
             cursors[name] = cursor
             heads[name] = head
+            keys[name] = order(head)
+    workloads = rules.workloads
     claimed: set[str] = set()
     grants: list[E] = []
     while heads:
+        # has_room(), inlined: this scan runs for every grant among several workloads.
+        full = shared_used >= rules.shared
         best: str | None = None
-        best_key: tuple[int, Any] | None = None
-        for name, head in heads.items():
-            if not has_room(rules, counts, name, shared_used):
+        best_priority = 0
+        best_key: Any = None
+        for name in heads:
+            rule = workloads[name]
+            held = counts.get(name, 0)
+            if held >= rule.ceiling or (full and held >= rule.reserved):
                 continue
-            priority = rules.workloads[name].priority
+            priority = rule.priority
             if (
-                best_key is None
-                or priority > best_key[0]
-                or (priority == best_key[0] and order(head) < best_key[1])
+                best is None
+                or priority > best_priority
+                or (priority == best_priority and keys[name] < best_key)
             ):
-                best, best_key = name, (priority, order(head))
+                best, best_priority, best_key = name, priority, keys[name]
         if best is None:
             break
         if rated:
@@ -195,4 +203,5 @@ def allocate(
             del heads[best]
         else:
             heads[best] = following
+            keys[best] = order(following)
     return grants
