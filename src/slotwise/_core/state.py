@@ -97,7 +97,7 @@ class Throttle:
     limit: tuple[int, int] | None  # (old, new) effective max_concurrent, when it changed
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, weakref_slot=False)
 class Ticket:
     """One request for a slot. ``lease`` is set when it is granted; ``waker`` is the shell's.
     ``rate_waits`` collects the buckets (and ``"pause"``) the request had to wait for."""
@@ -142,6 +142,7 @@ class LimiterState:
         self.queues: dict[str, OrderedDict[int, Ticket]] = {
             name: OrderedDict() for name in rules.workloads
         }
+        self._views = {name: queue.values() for name, queue in self.queues.items()}
         self.active: dict[str, int] = dict.fromkeys(rules.workloads, 0)
         self.leases: dict[str, LeaseRecord] = {}
         self.queued = 0
@@ -198,7 +199,7 @@ class LimiterState:
                 anything is granted).
         """
         cost = _NO_COST if not tokens else {"requests": 1, "tokens": tokens}
-        if self.bank:
+        if self.bank.buckets:
             check_cost(self.bank, workload, cost)
         swept = self.tick(now)
         ticket = Ticket(
@@ -268,7 +269,7 @@ class LimiterState:
                 return None
             self.shared_used += 1
         self.active[workload] = held + 1
-        # _record(), inlined: this is the path of every uncontended slot.
+        # _grant(), inlined, without a ticket: this is the path of every uncontended slot.
         lease_id = f"{self._prefix}-{next(self._lease_seq)}"
         epoch = 0 if self.aimd is None else self.aimd.epoch
         record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether, epoch)
@@ -466,6 +467,7 @@ class LimiterState:
         rules = retire(rules, self.active)
         for name in rules.workloads:
             self.queues.setdefault(name, OrderedDict())
+        self._views = {name: queue.values() for name, queue in self.queues.items()}
         self.queued -= len(refused)
         self.active = {name: self.active.get(name, 0) for name in rules.workloads}
         self.aimd, rules = readapt(self.aimd, rules, adaptive)
@@ -538,28 +540,23 @@ class LimiterState:
     # -- internals ------------------------------------------------------------------------
 
     def _grant(self, ticket: Ticket, now: float) -> None:
-        ticket.lease = self._lease(ticket.workload, now, ticket.tether)
+        """Give ``ticket`` a new lease of its workload, counted."""
+        workload = ticket.workload
+        held = self.active[workload]
+        if held >= self.rules.workloads[workload].reserved:
+            self.shared_used += 1
+        self.active[workload] = held + 1
+        lease_id = f"{self._prefix}-{next(self._lease_seq)}"
+        epoch = 0 if self.aimd is None else self.aimd.epoch
+        record = LeaseRecord(lease_id, workload, now + self.lease_ttl, ticket.tether, epoch)
+        self.leases[lease_id] = record
+        heapq.heappush(self._expiries, (record.expires_at, lease_id))
+        ticket.lease = record
 
     def _set_limit(self, limit: int) -> None:
         self.rules = attrs.evolve(self.rules, max_concurrent=limit)
         # Held slots stay: shared_used may now exceed the smaller shared capacity, and no
         # workload has room beyond its reservation until enough of them are released.
-
-    def _lease(self, workload: str, now: float, tether: Tether | None) -> LeaseRecord:
-        held = self.active[workload]
-        if held >= self.rules.workloads[workload].reserved:
-            self.shared_used += 1
-        self.active[workload] = held + 1
-        return self._record(workload, now, tether)
-
-    def _record(self, workload: str, now: float, tether: Tether | None) -> LeaseRecord:
-        """A new lease of ``workload``, counted already."""
-        lease_id = f"{self._prefix}-{next(self._lease_seq)}"
-        epoch = 0 if self.aimd is None else self.aimd.epoch
-        record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether, epoch)
-        self.leases[lease_id] = record
-        heapq.heappush(self._expiries, (record.expires_at, lease_id))
-        return record
 
     def _compact(self) -> None:
         # Released and renewed leases leave stale entries in the expiry heap; rebuilding it
@@ -578,12 +575,14 @@ class LimiterState:
     def _allocate(self, now: float) -> list[Ticket]:
         if not self.queued:
             return []
-        queues = {w: q.values() for w, q in self.queues.items() if q}
-        if self.bank or self.paused_until != _NEVER:
+        queues = self.queues
+        # Only the workloads that wait: with one, allocate() takes its heads without choosing.
+        views = self._views if len(queues) == 1 else {w: q.values() for w, q in queues.items() if q}
+        if self.bank.buckets or self.paused_until != _NEVER:
             granted, self._refill_at = allocate_paced(
                 self.rules,
                 self.active,
-                queues,
+                views,
                 _arrival,
                 now=now,
                 bank=self.bank,
@@ -595,12 +594,12 @@ class LimiterState:
         else:
             self._refill_at = math.inf
             granted = allocate(
-                self.rules, self.active, queues, _arrival, shared_used=self.shared_used
+                self.rules, self.active, views, _arrival, shared_used=self.shared_used
             )
         for ticket in granted:
-            del self.queues[ticket.workload][ticket.seq]
-            self.queued -= 1
+            del queues[ticket.workload][ticket.seq]
             self._grant(ticket, now)
+        self.queued -= len(granted)
         return granted
 
 
