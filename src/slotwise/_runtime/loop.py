@@ -123,19 +123,21 @@ def _set_future(future: asyncio.Future[None]) -> None:
 
 
 class _FutureWaker(Waker):
-    __slots__ = ("future", "loop")
+    __slots__ = ("future",)
 
     def __init__(self, loop: asyncio.AbstractEventLoop, thread: int) -> None:
-        self.loop = loop
         self.thread = thread
         self.future: asyncio.Future[None] = loop.create_future()
 
     def wake(self) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: its waiter with it
-            if _ident() == self.thread:
-                _set_future(self.future)
-            else:
-                self.loop.call_soon_threadsafe(_set_future, self.future)
+        future = self.future
+        try:
+            if _ident() != self.thread:
+                future.get_loop().call_soon_threadsafe(_set_future, future)
+            elif not future.done():
+                future.set_result(None)
+        except RuntimeError:  # the loop is closed: its waiter with it
+            pass
 
 
 # Tasks that nothing awaits, kept here so that they are not garbage collected while they run.
@@ -148,19 +150,17 @@ def _start_asyncio(loop: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[N
     task.add_done_callback(_background.discard)
 
 
-def _anyio_asyncio_checkpoint() -> Callable[[], Awaitable[None]]:
-    """anyio's checkpoint_if_cancelled() for asyncio, without its per-call look-up of the
-    running library (a third of the cost of a hand-off's check)."""
+def _anyio_task_states() -> Any:
+    """anyio's cancel scope state of each asyncio task (a mapping), or None if anyio's
+    internals moved: the cancellation check then calls anyio's public function."""
     try:
-        from anyio._core._eventloop import get_async_backend
-
-        backend = get_async_backend("asyncio")
-        return backend.checkpoint_if_cancelled
-    except Exception:  # anyio's internals moved: its public function
-        return anyio.lowlevel.checkpoint_if_cancelled
+        from anyio._backends._asyncio import _task_states
+    except Exception:
+        return None
+    return _task_states if callable(getattr(_task_states, "get", None)) else None
 
 
-_anyio_checkpoint_if_cancelled = _anyio_asyncio_checkpoint()
+_task_states = _anyio_task_states()
 
 
 class AsyncioLoop(Loop):
@@ -182,10 +182,26 @@ class AsyncioLoop(Loop):
         await asyncio.sleep(0)
 
     async def checkpoint_if_cancelled(self) -> None:
-        await _anyio_checkpoint_if_cancelled()  # anyio's cancel scopes
+        # anyio's checkpoint_if_cancelled() (its cancel scopes), and a native task.cancel(),
+        # with one look-up of the task.
         task = asyncio.current_task()
-        if task is not None and task.cancelling():  # a native task.cancel()
+        if task is None:
+            return
+        if task.cancelling():  # a native task.cancel()
             await asyncio.sleep(0)
+            return
+        if _task_states is None:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return
+        state = _task_states.get(task)
+        scope = None if state is None else state.cancel_scope
+        while scope is not None:
+            if scope.cancel_called:
+                await asyncio.sleep(0)
+                return
+            if scope.shield:
+                return
+            scope = scope._parent_scope
 
     def waker(self) -> _FutureWaker:
         return _FutureWaker(self.loop, self.thread)
