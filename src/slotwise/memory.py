@@ -168,7 +168,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         self._clock: Callable[[], float] = time.monotonic
         # One waiter per thread watches the clock for leases that expire unrenewed, so a dead
         # holder's slot is handed on without a background task or a herd of timers.
-        self._watchers = _Watchers()
+        self._watchers = _Watchers(self._state.queues)
 
     # -- the user's surface ---------------------------------------------------------------
 
@@ -434,20 +434,22 @@ class MemoryLimiter(BuiltinLimiter[W]):
         """Wait for a slot until the earlier of `deadline` (on `loop`'s clock) and the
         workload's `max_wait`. The request takes a slot or its place in the queue before
         this yields (so arrival order is the order of calls), then yields once at least."""
-        ticket = self._submit(workload, loop, tether, tokens)
+        ticket, end, waker, until = self._submit(workload, loop, tether, tokens, deadline)
         try:
-            end = self._end(workload, ticket.enqueued_at, loop, deadline)
             parked = False
             if ticket.lease is not None:
                 await loop.checkpoint()
             while True:
-                record, waker, until = self._step(ticket, loop, end, deadline)
-                if record is not None:
-                    if parked:
-                        # Granted while parked: a cancellation that came meanwhile wins.
-                        await loop.checkpoint_if_cancelled()
-                    return record
-                await loop.park(waker, loop.now() + (until - self._clock()))
+                if waker is None:
+                    record, waker, until = self._step(ticket, loop, end, deadline)
+                    if record is not None:
+                        if parked:
+                            # Granted while parked: a cancellation that came meanwhile wins.
+                            await loop.checkpoint_if_cancelled()
+                        return record
+                if until != math.inf:
+                    until = loop.now() + (until - self._clock())
+                await loop.park(waker, until)
                 record = ticket.lease
                 if record is not None and not ticket.rate_waits and holds(record.tether):
                     # The hand-off: granted while parked, to a holder that lives, so valid;
@@ -455,44 +457,60 @@ class MemoryLimiter(BuiltinLimiter[W]):
                     await loop.checkpoint_if_cancelled()
                     return record
                 parked = True
+                waker = None
         except BaseException:
             # Cancelled while waiting, or as the slot was granted: give it back either way.
             self._leave(ticket)
             raise
 
     def _submit(
-        self, workload: str, loop: Loop | None, tether: Tether | None, tokens: int
-    ) -> Ticket:
-        """Add the request to the state: granted at once, or waiting. Raises its refusal
+        self,
+        workload: str,
+        loop: Loop | None,
+        tether: Tether | None,
+        tokens: int,
+        deadline: float | None,
+    ) -> tuple[Ticket, float, Waker | None, float]:
+        """Add the request to the state: granted at once, or waiting. Returns it, when it
+        stops waiting (`_end`) and, if it waits, the waker to park on and when to wake up
+        (the first `_step`, under the same lock; None: look with `_step`). Raises its refusal
         (a full queue, a workload that is gone) after waking what the submit granted."""
         # A call of its own: what it wakes is not kept alive by the frame of every waiter.
+        state = self._state
+        waker: Waker | None = None
         with self._lock:
             now = self._now(loop)
             # Checked under the lock: set_limits() may have removed the workload since the
             # request named it (a workload kept only for its held slots takes nothing more).
             resolve_workload(self._settings, workload)
-            ticket, granted = self._state.submit(workload, now, tether, tokens)
+            ticket, granted = state.submit(workload, now, tether, tokens)
+            end = until = self._end(workload, now, loop, deadline)
+            if ticket.lease is None and ticket.refused is None and now < end:
+                waker = ticket.waker = ThreadWaker() if loop is None else loop.waker()
+                until = min(end, self._watchers.park(ticket, state.next_wake(now)))
             wakers = self._settle(granted, ticket.lease)
         _wake(wakers)
         if ticket.refused is not None:
             raise ticket.refused
-        return ticket
+        return ticket, end, waker, until
 
     def _take_blocking(
         self, workload: str, timeout: float | None, tether: Tether | None, tokens: int = 0
     ) -> LeaseRecord:
         """`_take()` for a thread with no event loop: blocks until a slot, the timeout
         (seconds) or the workload's `max_wait`."""
-        ticket = self._submit(workload, None, tether, tokens)
-        deadline = None if timeout is None else ticket.enqueued_at + timeout
+        # A thread's state clock is time.monotonic() (a virtual one refuses threads).
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ticket, end, waker, until = self._submit(workload, None, tether, tokens, deadline)
         try:
-            end = self._end(workload, ticket.enqueued_at, None, deadline)
             while True:
-                record, waker, until = self._step(ticket, None, end, deadline)
-                if record is not None:
-                    return record
+                if waker is None:
+                    record, waker, until = self._step(ticket, None, end, deadline)
+                    if record is not None:
+                        return record
                 assert isinstance(waker, ThreadWaker)
                 waker.wait(None if until == math.inf else max(0.0, until - self._clock()))
+                waker = None
         except BaseException:
             self._leave(ticket)
             raise
@@ -531,7 +549,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             self._owner.run_sync_soon(lambda: None)
         except RuntimeError:  # trio.RunFinishedError
             self._state.clear()
-            self._watchers = _Watchers()
+            self._watchers = _Watchers(self._state.queues)
             return True
         return False
 
@@ -606,22 +624,26 @@ class MemoryLimiter(BuiltinLimiter[W]):
         `granted` and the lease `taken` at once by the caller."""
         watchers = self._watchers
         wakers = []
-        expiries = [] if taken is None else [taken.expires_at]
+        soonest = math.inf if taken is None else taken.expires_at  # the earliest new expiry
         for ticket in granted:
-            if ticket.waker is not None:
-                wakers.append(ticket.waker)
-            if ticket.lease is not None:
-                expiries.append(ticket.lease.expires_at)
-                # A granted watcher may not resume soon (its loop may be stalled): hand its
-                # watch to another waiter of its thread now.
-                wakers += [t.waker for t in watchers.leave(ticket) if t.waker is not None]
-        if self._state.timed:
+            waker = ticket.waker
+            if waker is not None:
+                wakers.append(waker)
+            lease = ticket.lease
+            if lease is not None:
+                soonest = min(soonest, lease.expires_at)
+                if waker is not None and watchers.watching(waker.thread) is ticket:
+                    # A granted watcher may not resume soon (its loop may be stalled): hand
+                    # its watch to another waiter of its thread now.
+                    wakers += [t.waker for t in watchers.leave(ticket) if t.waker is not None]
+        state = self._state
+        if state.timed:
             # A head may now wait for a bucket to refill: the clock watch must ring then.
-            wake = self._state.next_wake(self._clock())
+            wake = state.next_wake(self._clock())
             if wake is not None:
-                expiries.append(wake)
-        if expiries and watchers.alarms:
-            wakers += watchers.earlier(min(expiries))
+                soonest = min(soonest, wake)
+        if soonest != math.inf and watchers.alarms:
+            wakers += watchers.earlier(soonest)
         return wakers
 
     def _epoch(self, moment: float, now: float) -> float:
@@ -660,45 +682,59 @@ class _Watchers:
     herd of timers), and per thread, not per limiter, so that a stalled or paused event loop
     delays nobody on another one. A watcher that leaves hands its watch to the newest waiter
     of its thread (grants go in arrival order: it leaves last, so a hand-off does not pass the
-    watch on at every grant), which it wakes so that it re-arms.
+    watch on at every grant), which it wakes so that it re-arms. The newest is found from the
+    tails of the queues, which hold it unless waiters of other threads arrived after it: no
+    entry per waiter is kept here.
     """
 
-    __slots__ = ("_waiting", "_watching", "alarms")
+    __slots__ = ("_queues", "_watching", "alarms")
 
-    def __init__(self) -> None:
-        self._waiting: dict[int, OrderedDict[int, Ticket]] = {}  # by thread, in arrival order
+    def __init__(self, queues: Mapping[str, OrderedDict[int, Ticket]]) -> None:
+        self._queues = queues  # the state's queues, each in arrival order
         self._watching: dict[int, Ticket] = {}  # each thread's watcher
         self.alarms: dict[int, float] = {}  # when each watcher wakes up, on the state's clock
+
+    def watching(self, thread: int) -> Ticket | None:
+        """The waiter that watches the clock for ``thread``, if one does."""
+        return self._watching.get(thread)
 
     def park(self, ticket: Ticket, next_expiry: float | None) -> float:
         """``ticket`` parks; returns when it must wake up for the clock (``inf``: never)."""
         thread = ticket.waker.thread
-        self._waiting.setdefault(thread, OrderedDict())[ticket.seq] = ticket
-        watcher = self._watching.setdefault(thread, ticket)
-        if watcher is not ticket:
+        if self._watching.setdefault(thread, ticket) is not ticket:
             return math.inf
         alarm = self.alarms[thread] = math.inf if next_expiry is None else next_expiry
         return alarm
 
     def leave(self, ticket: Ticket) -> list[Ticket]:
-        """``ticket`` stops waiting. Returns the waiter to wake to take over its watch."""
-        if ticket.waker is None:
+        """``ticket`` stops waiting (it is out of the queues already). Returns the waiter to
+        wake to take over its watch."""
+        waker = ticket.waker
+        if waker is None:
             return []
-        thread = ticket.waker.thread
-        waiting = self._waiting.get(thread)
-        if waiting is None or waiting.pop(ticket.seq, None) is None:
-            return []
-        if not waiting:
-            del self._waiting[thread]
+        thread = waker.thread
         if self._watching.get(thread) is not ticket:
             return []
         del self._watching[thread]
         self.alarms.pop(thread, None)
-        if not waiting:
+        successor = self._newest(thread)
+        if successor is None:
             return []
-        successor = self._watching[thread] = next(reversed(waiting.values()))
+        self._watching[thread] = successor
         self.alarms[thread] = math.inf  # until it wakes up and re-arms
         return [successor]
+
+    def _newest(self, thread: int) -> Ticket | None:
+        """The waiter of ``thread`` that arrived last, if one waits."""
+        newest: Ticket | None = None
+        for queue in self._queues.values():
+            for ticket in reversed(queue.values()):
+                waker = ticket.waker
+                if waker is not None and waker.thread == thread:
+                    if newest is None or ticket.seq > newest.seq:
+                        newest = ticket
+                    break
+        return newest
 
     def earlier(self, expires_at: float) -> list[Waker]:
         """A lease now expires at ``expires_at``: the watchers whose alarm is later."""

@@ -26,7 +26,7 @@ import secrets
 import sys
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from functools import partial
 from types import TracebackType
@@ -609,11 +609,7 @@ async def acquire(
             await loop.turn()
         except BaseException as exc:
             _not_entered(slot, run, loop, exc)
-        try:
-            _entered(slot, run, loop, None)
-        except BaseException:  # a subscriber's KeyboardInterrupt: nobody will hold the slot
-            slot.release_sync("cancelled")
-            raise
+        _hold(slot, run, loop, None)
     else:
         await _wait(slot, run, loop)
     return slot
@@ -684,33 +680,67 @@ def _entered(slot: Slot, run: Run | None, loop: Loop, start: float | None) -> No
         _acquired(slot, slot.lease, now - start)  # type: ignore[arg-type]
 
 
-async def _wait(slot: Slot, run: Run | None, loop: Loop) -> None:
-    """Wait for the slot's lease: the one place where a wait ends, and how."""
-    limiter = slot.limiter
-    cls = type(limiter)
-    deadline = run.deadline_on(loop) if run is not None else None
+def _hold(slot: Slot, run: Run | None, loop: Loop, start: float | None) -> None:
+    """`_entered`, for a tethered lease: one that a subscriber's KeyboardInterrupt leaves
+    with nobody to hold it is given back at once."""
+    try:
+        _entered(slot, run, loop, start)
+    except BaseException:
+        slot.release_sync("cancelled")
+        raise
+
+
+def _wait_begins(slot: Slot, run: Run | None, loop: Loop) -> float:
+    """A request that must wait: when it starts to (reported, with its run's deadline)."""
     start = loop.clock()
-    if dispatch._subscriptions and dispatch.wants(limiter):
-        _wait_started(slot, start, deadline)
-    tethered = cls in _tethering
+    if dispatch._subscriptions and dispatch.wants(slot.limiter):
+        _wait_started(slot, start, run.deadline_on(loop) if run is not None else None)
+    return start
+
+
+def _tethered_wait(slot: Slot, loop: Loop) -> Awaitable[SupportsLease]:
+    """The tethering limiter's wait for ``slot``'s lease, until its run's deadline: it takes
+    a place in the queue before anything yields, and keeps the lease valid while the slot
+    lives."""
+    limiter = slot.limiter
+    run = slot._run
+    deadline = run.deadline_on(loop) if run is not None else None
+    return type(limiter)._take(  # type: ignore[no-any-return]
+        limiter, slot.workload, loop, deadline, weakref.ref(slot), slot._tokens
+    )
+
+
+def _wait_failed(
+    slot: Slot, run: Run | None, loop: Loop, start: float, exc: BaseException
+) -> NoReturn:
+    """A wait that began at ``start`` ended with ``exc``: report it, raise what the caller
+    sees (the run's budget ending is a timeout)."""
+    budget_ended = isinstance(exc, _BudgetEnded) or (
+        isinstance(exc, loop.cancelled) and _budget_ended(run, loop)
+    )
+    _failed(slot, exc, loop.clock() - start, budget_ended, loop.cancelled)
+
+
+async def _wait(slot: Slot, run: Run | None, loop: Loop) -> None:
+    """Wait for the slot's lease: the one place where a wait ends, and how (`SlotContext`
+    inlines it for a tethering limiter)."""
+    start = _wait_begins(slot, run, loop)
+    tethered = type(slot.limiter) in _tethering
     try:
         if tethered:
-            # The limiter keeps the lease valid while the slot lives and honours the deadline
-            # itself: it takes a place in the queue before anything yields.
-            lease = await cls._take(
-                limiter, slot.workload, loop, deadline, weakref.ref(slot), slot._tokens
-            )
+            lease = await _tethered_wait(slot, loop)
         else:
-            lease = await _acquire_renewable(slot, loop, deadline)
+            lease = await _acquire_renewable(
+                slot, loop, run.deadline_on(loop) if run is not None else None
+            )
     except BaseException as exc:
-        budget_ended = isinstance(exc, _BudgetEnded) or (
-            isinstance(exc, loop.cancelled) and _budget_ended(run, loop)
-        )
-        _failed(slot, exc, loop.clock() - start, budget_ended, loop.cancelled)
+        _wait_failed(slot, run, loop, start, exc)
     slot.lease = lease
-    if not tethered:
-        slot._acquired_at = loop.clock()
-        keeper.track(slot, loop, since=start)
+    if tethered:
+        _hold(slot, run, loop, start)
+        return
+    slot._acquired_at = loop.clock()
+    keeper.track(slot, loop, since=start)
     try:
         _entered(slot, run, loop, start)
     except BaseException:  # a subscriber's KeyboardInterrupt: nobody will hold the slot
@@ -1023,11 +1053,16 @@ class SlotContext(Generic[W]):
                 await loop.turn()
             except BaseException as exc:
                 _not_entered(slot, run, loop, exc)
+            _hold(slot, run, loop, None)
+        elif type(slot.limiter) in _tethering:
+            # _wait(), inlined for a limiter that ties leases to slots: a waiting request
+            # keeps one coroutine frame less alive (and this frame few locals).
+            start = _wait_begins(slot, run, loop)
             try:
-                _entered(slot, run, loop, None)
-            except BaseException:  # a subscriber's KeyboardInterrupt: nobody holds it
-                slot.release_sync("cancelled")
-                raise
+                slot.lease = await _tethered_wait(slot, loop)
+            except BaseException as exc:
+                _wait_failed(slot, run, loop, start, exc)
+            _hold(slot, run, loop, start)
         else:
             await _wait(slot, run, loop)
         # _enter(), inlined.
