@@ -130,7 +130,8 @@ def test_command_prints_the_live_view_and_summary(capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out
     assert code == 0
     assert "   time  workload     in use  queued" in out  # a log, as stdout is not a terminal
-    assert "  1.0 s  interactive" in out
+    # The line of the first second (drawn a little late on a loaded machine).
+    assert re.search(r"^  1\.[0-4] s  interactive", out, re.MULTILINE)
     assert "             served  in flight  p50 wait  p95 wait  timed out  refused" in out
     assert "Limits held" in out
     assert "these 1.5 s are 1 min of traffic" in out

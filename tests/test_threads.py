@@ -566,3 +566,76 @@ def test_a_sync_generator_holding_a_slot_closed_in_another_thread_releases_it() 
         assert limiter.stats_nowait().active == 0
         assert worker.submit(again).result(timeout=10) == 1
     assert limiter.stats_nowait().active == 0
+
+
+def test_a_threads_last_waiter_leaves_its_watch_without_a_search(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each thread's waiters are counted: when a thread's only waiter is granted, its clock
+    watch ends without looking through the requests other threads have queued (which would
+    cost every grant the length of their queue, under the limiter's lock)."""
+    from slotwise import memory
+
+    searches = 0
+    newest = memory._Watchers._newest
+
+    def counted(self: Any, thread: int) -> Any:
+        nonlocal searches
+        searches += 1
+        return newest(self, thread)
+
+    monkeypatch.setattr(memory._Watchers, "_newest", counted)
+    limiter = MemoryLimiter(
+        max_concurrent=2,
+        workloads={
+            "interactive": Workload(max_concurrent=1, priority=10),
+            "background": Workload(max_concurrent=1),
+        },
+    )
+    parked = threading.Event()
+    stop = threading.Event()
+    served = 0
+
+    def background() -> None:
+        async def main() -> None:
+            nonlocal served
+            holder = await slotwise.acquire(limiter=limiter, workload="background")
+
+            async def wait() -> None:
+                nonlocal served
+                async with limiter.slot("background", allow_nested=True):
+                    served += 1
+
+            tasks = [asyncio.create_task(wait()) for _ in range(200)]
+            for _ in range(1000):
+                if limiter.stats_nowait().queued == 200:
+                    break
+                await asyncio.sleep(0.01)
+            parked.set()
+            await asyncio.to_thread(stop.wait, 10)
+            await holder.release()
+            await asyncio.gather(*tasks)
+
+        asyncio.run(main())
+
+    loop_thread = threading.Thread(target=background)
+    loop_thread.start()
+    assert parked.wait(10)
+
+    def ping_pong() -> None:
+        for _ in range(50):
+            with limiter.sync_slot("interactive", timeout=10):
+                time.sleep(0)
+
+    players = [threading.Thread(target=ping_pong) for _ in range(2)]
+    for player in players:
+        player.start()
+    for player in players:
+        player.join(10)
+    stop.set()
+    loop_thread.join(10)
+
+    assert not loop_thread.is_alive()
+    assert served == 200
+    assert limiter.stats_nowait().active == 0
+    assert searches < 10, f"{searches} searches for a successor"

@@ -486,8 +486,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
             ticket, granted = state.submit(workload, now, tether, tokens)
             end = until = self._end(workload, now, loop, deadline)
             if ticket.lease is None and ticket.refused is None and now < end:
-                waker = ticket.waker = ThreadWaker() if loop is None else loop.waker()
-                until = min(end, self._watchers.park(ticket, state.next_wake(now)))
+                waker = ThreadWaker() if loop is None else loop.waker()
+                until = min(end, self._watchers.park(ticket, waker, state.next_wake(now)))
             wakers = self._settle(granted, ticket.lease)
         _wake(wakers)
         if ticket.refused is not None:
@@ -596,8 +596,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
                 granted += self._watchers.leave(ticket)
                 timed_out = True
             else:
-                waker = ticket.waker = ThreadWaker() if loop is None else loop.waker()
-                until = min(until, self._watchers.park(ticket, state.next_wake(now)))
+                waker = ThreadWaker() if loop is None else loop.waker()
+                until = min(until, self._watchers.park(ticket, waker, state.next_wake(now)))
             wakers = self._settle(granted)
         _wake(wakers)
         if ticket.refused is not None:
@@ -632,10 +632,9 @@ class MemoryLimiter(BuiltinLimiter[W]):
             lease = ticket.lease
             if lease is not None:
                 soonest = min(soonest, lease.expires_at)
-                if waker is not None and watchers.watching(waker.thread) is ticket:
-                    # A granted watcher may not resume soon (its loop may be stalled): hand
-                    # its watch to another waiter of its thread now.
-                    wakers += [t.waker for t in watchers.leave(ticket) if t.waker is not None]
+                # A granted watcher may not resume soon (its loop may be stalled): hand its
+                # watch to another waiter of its thread now.
+                wakers += [t.waker for t in watchers.leave(ticket) if t.waker is not None]
         state = self._state
         if state.timed:
             # A head may now wait for a bucket to refill: the clock watch must ring then.
@@ -682,42 +681,53 @@ class _Watchers:
     herd of timers), and per thread, not per limiter, so that a stalled or paused event loop
     delays nobody on another one. A watcher that leaves hands its watch to the newest waiter
     of its thread (grants go in arrival order: it leaves last, so a hand-off does not pass the
-    watch on at every grant), which it wakes so that it re-arms. The newest is found from the
-    tails of the queues, which hold it unless waiters of other threads arrived after it: no
-    entry per waiter is kept here.
+    watch on at every grant), which it wakes so that it re-arms. No entry per waiter is kept:
+    each thread's waiters are counted (a waker knows whether it is), and the newest is found
+    from the tails of the queues, only when its thread has one.
     """
 
-    __slots__ = ("_queues", "_watching", "alarms")
+    __slots__ = ("_queues", "_waiting", "_watching", "alarms")
 
     def __init__(self, queues: Mapping[str, OrderedDict[int, Ticket]]) -> None:
         self._queues = queues  # the state's queues, each in arrival order
+        self._waiting: dict[int, int] = {}  # parked waiters, by thread
         self._watching: dict[int, Ticket] = {}  # each thread's watcher
         self.alarms: dict[int, float] = {}  # when each watcher wakes up, on the state's clock
 
-    def watching(self, thread: int) -> Ticket | None:
-        """The waiter that watches the clock for ``thread``, if one does."""
-        return self._watching.get(thread)
-
-    def park(self, ticket: Ticket, next_expiry: float | None) -> float:
-        """``ticket`` parks; returns when it must wake up for the clock (``inf``: never)."""
-        thread = ticket.waker.thread
+    def park(self, ticket: Ticket, waker: Waker, next_expiry: float | None) -> float:
+        """``ticket`` parks on ``waker``, a new one; returns when it must wake up for the
+        clock (``inf``: never)."""
+        thread = waker.thread
+        previous = ticket.waker
+        if previous is not None and previous.parked:
+            previous.parked = False  # parked again: it was counted
+        else:
+            self._waiting[thread] = self._waiting.get(thread, 0) + 1
+        waker.parked = True
+        ticket.waker = waker
         if self._watching.setdefault(thread, ticket) is not ticket:
             return math.inf
         alarm = self.alarms[thread] = math.inf if next_expiry is None else next_expiry
         return alarm
 
     def leave(self, ticket: Ticket) -> list[Ticket]:
-        """``ticket`` stops waiting (it is out of the queues already). Returns the waiter to
-        wake to take over its watch."""
+        """``ticket`` stops waiting (it is out of the queues already). Idempotent. Returns
+        the waiter to wake to take over its watch."""
         waker = ticket.waker
-        if waker is None:
+        if waker is None or not waker.parked:
             return []
+        waker.parked = False
         thread = waker.thread
+        others = self._waiting[thread] - 1
+        if others:
+            self._waiting[thread] = others
+        else:
+            del self._waiting[thread]
         if self._watching.get(thread) is not ticket:
             return []
         del self._watching[thread]
         self.alarms.pop(thread, None)
-        successor = self._newest(thread)
+        successor = self._newest(thread) if others else None
         if successor is None:
             return []
         self._watching[thread] = successor
@@ -725,12 +735,12 @@ class _Watchers:
         return [successor]
 
     def _newest(self, thread: int) -> Ticket | None:
-        """The waiter of ``thread`` that arrived last, if one waits."""
+        """The waiter of ``thread`` that arrived last."""
         newest: Ticket | None = None
         for queue in self._queues.values():
             for ticket in reversed(queue.values()):
                 waker = ticket.waker
-                if waker is not None and waker.thread == thread:
+                if waker is not None and waker.parked and waker.thread == thread:
                     if newest is None or ticket.seq > newest.seq:
                         newest = ticket
                     break

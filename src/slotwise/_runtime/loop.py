@@ -48,9 +48,10 @@ _ident = threading.get_ident
 class Waker:
     """A one-shot wake-up call for one waiting task or thread, set from any thread."""
 
-    __slots__ = ("thread",)
+    __slots__ = ("parked", "thread")
 
     thread: int  # the thread the waiter runs in
+    parked: bool  # counted among its thread's waiters by the limiter that it waits on
 
     def wake(self) -> None:
         """Wake the waiter (harmless if it was woken already or has gone)."""
@@ -127,6 +128,7 @@ class _FutureWaker(Waker):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, thread: int) -> None:
         self.thread = thread
+        self.parked = False
         self.future: asyncio.Future[None] = loop.create_future()
 
     def wake(self) -> None:
@@ -237,6 +239,7 @@ class _TrioWaker(Waker):
         self._task: Any = None
         self.token = token
         self.thread = thread
+        self.parked = False
 
     def wake(self) -> None:
         if _ident() == self.thread:
@@ -322,6 +325,7 @@ class ThreadWaker(Waker):
     def __init__(self) -> None:
         self._event = threading.Event()
         self.thread = _ident()
+        self.parked = False
 
     def wake(self) -> None:
         self._event.set()
