@@ -176,7 +176,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
     ) -> SlotContext[W]:
         """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
-        return SlotContext(workload, self, allow_nested, tokens)
+        return self._slot(workload, tokens, allow_nested)
 
     def sync_slot(
         self,

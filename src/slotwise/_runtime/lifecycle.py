@@ -24,6 +24,7 @@ import logging
 import math
 import secrets
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
@@ -80,6 +81,7 @@ __all__ = (
 _logger = logging.getLogger("slotwise")
 _prefix = secrets.token_hex(4)
 _request_seq = itertools.count(1)
+_numbering = threading.Lock()  # a request's id is read from whichever thread reports it
 # Slots the current task (and the tasks it starts) holds, for the nested-slot deadlock guard.
 _holding: ContextVar[tuple[Slot, ...]] = ContextVar("slotwise_holding", default=())
 
@@ -252,7 +254,7 @@ class Slot:
     def __init__(self, limiter: Any, run: Run | None, loop: Loop | None = None) -> None:
         self.limiter = limiter
         self._run = run
-        self._number = 0 if limiter is None else next(_request_seq)
+        self._number = 0  # numbered when its id is first asked for (events, errors)
         self.workload: str | None = None
         self.lease: SupportsLease | None = None
         self._loop = loop  # the event loop that took it; None: a thread without one
@@ -275,7 +277,13 @@ class Slot:
     @property
     def request_id(self) -> str | None:
         """The id of the request that got it (None when nothing is limited)."""
-        return None if self.limiter is None else f"{_prefix}-{self._number}"
+        if self.limiter is None:
+            return None
+        if not self._number:
+            with _numbering:
+                if not self._number:
+                    self._number = next(_request_seq)
+        return f"{_prefix}-{self._number}"
 
     @property
     def run_id(self) -> str | None:

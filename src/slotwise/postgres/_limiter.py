@@ -501,7 +501,7 @@ class PostgresLimiter(Coordinator[W]):
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
     ) -> SlotContext[W]:
         """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
-        return SlotContext(workload, self, allow_nested, tokens)
+        return self._slot(workload, tokens, allow_nested)
 
     async def stats(self) -> LimiterStats:
         """Active and queued requests across every process, in total and per workload, and
