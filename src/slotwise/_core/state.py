@@ -366,13 +366,21 @@ class LimiterState:
     def tick(self, now: float) -> list[Ticket]:
         """What time alone grants by ``now``: expired leases swept, refilled buckets and a
         pause that has ended."""
-        due = bool(self._expiries) and self._expiries[0][0] <= now
-        if self.timed and self.queued and (due or self._refill_at <= now or self.paused(now)):
+        expiries = self._expiries
+        due = bool(expiries) and expiries[0][0] <= now
+        # self.timed and self.paused(now), inlined: this runs at every request.
+        paused_until = self.paused_until
+        ended = _NEVER < paused_until <= now
+        if (
+            (self.bank.buckets or paused_until != _NEVER)
+            and self.queued
+            and (due or self._refill_at <= now or ended)
+        ):
             self.expire(now, allocate=False)
             granted = self._allocate(now)
         else:
             granted = self.expire(now) if due else []
-        if self.paused(now) and not self._waiting_since(self.paused_until):
+        if ended and not self._waiting_since(paused_until):
             self.unpause()
         return granted
 
