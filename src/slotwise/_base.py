@@ -64,18 +64,18 @@ class BuiltinLimiter(Generic[W]):
         """What `slot()` returns. A context holds no state of its own (many tasks may enter
         one at once), so the plain one of each workload is made once and kept: a request
         allocates none."""
-        if tokens is not None or allow_nested:
-            return SlotContext(workload, self, allow_nested, tokens)
-        try:
-            contexts = self._contexts
-        except AttributeError:
-            contexts = self._contexts = {}
-        context = contexts.get(workload) if isinstance(workload, str | None) else None
-        if context is None:
+        if tokens is None and not allow_nested:
+            try:
+                context = self._contexts.get(workload)
+            except TypeError:  # not a name: refused when the context is entered
+                context = None
+            if context is not None:
+                return context
             context = SlotContext(workload, self, False, None)
             if workload is None or workload in self._settings.workloads:
-                contexts[workload] = context  # never a name that is not configured
-        return context
+                self._contexts[workload] = context  # never a name that is not configured
+            return context
+        return SlotContext(workload, self, allow_nested, tokens)
 
     def validate_workload(self, workload: str | None) -> str:
         """Resolve a request's workload name (None: the default).

@@ -142,6 +142,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         rate: Rate | None = None,
         adaptive: Adaptive | None = None,
     ) -> None:
+        self._contexts = {}
         self._settings: Settings = build_settings(
             name=name,
             max_concurrent=max_concurrent,

@@ -1061,7 +1061,11 @@ class SlotContext(Generic[W]):
                 await loop.turn()
             except BaseException as exc:
                 _not_entered(slot, run, loop, exc)
-            _hold(slot, run, loop, None)
+            try:  # _hold(), inlined: the path of every uncontended slot
+                _entered(slot, run, loop, None)
+            except BaseException:  # a subscriber's KeyboardInterrupt: nobody holds it
+                slot.release_sync("cancelled")
+                raise
         elif type(slot.limiter) in _tethering:
             # _wait(), inlined for a limiter that ties leases to slots: a waiting request
             # keeps one coroutine frame less alive (and this frame few locals).

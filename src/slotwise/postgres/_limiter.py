@@ -232,6 +232,7 @@ class PostgresLimiter(Coordinator[W]):
         synchronous_commit: bool = True,
         db_timeout: float = 5.0,
     ) -> None:
+        self._contexts = {}
         self._settings: Settings = build_settings(
             name=name,
             max_concurrent=max_concurrent,
