@@ -338,6 +338,32 @@ async def test_an_outer_cancellation_of_a_budgeted_wait_stays_a_cancellation() -
 # -- a slot held across a yield ---------------------------------------------------------------
 
 
+async def test_closing_a_generator_inside_another_slot_releases_the_generators_slot() -> None:
+    """A generator holds a slot across its `yield`, entered in one task; another task, inside
+    a slot of its own taken the same way, closes the generator: the generator's slot is the
+    one released, and the closing task keeps its own."""
+    limiter = MemoryLimiter(name="memory", max_concurrent=4)
+
+    async def stream() -> AsyncIterator[int]:
+        async with limiter.slot():
+            yield 1
+
+    generator = stream()
+
+    async def start() -> None:
+        await generator.__anext__()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(start)
+    assert (await limiter.stats()).active == 1
+
+    async with limiter.slot() as mine:
+        await generator.aclose()
+        assert not mine.released
+        assert (await limiter.stats()).active == 1
+    assert (await limiter.stats()).active == 0
+
+
 async def test_a_slot_in_an_abandoned_async_generator_is_released_when_it_is_finalized(
     anyio_backend: Any,
 ) -> None:

@@ -10,7 +10,6 @@ from ._config import Rate, Settings, Workload, resolve_workload
 from ._events import ConcurrencyEvent, LimitChangedEvent
 from ._protocol import W
 from ._runtime import dispatch
-from ._runtime.lifecycle import SlotContext
 from ._stats import BucketStats, LimiterStats, WorkloadStats
 
 __all__ = ("BuiltinLimiter",)
@@ -19,10 +18,9 @@ __all__ = ("BuiltinLimiter",)
 class BuiltinLimiter(Generic[W]):
     """The settings and the user's surface shared by MemoryLimiter and PostgresLimiter."""
 
-    __slots__ = ("__weakref__", "_contexts", "_settings")
+    __slots__ = ("__weakref__", "_settings")
 
     _settings: Settings
-    _contexts: dict[W | None, SlotContext[W]]  # slot()'s plain contexts, by workload
 
     @property
     def name(self) -> str:
@@ -59,23 +57,6 @@ class BuiltinLimiter(Generic[W]):
     def default_workload(self) -> str | None:
         """The workload of requests that name none, or None when each must name one."""
         return self._settings.default_workload
-
-    def _slot(self, workload: W | None, tokens: int | None, allow_nested: bool) -> SlotContext[W]:
-        """What `slot()` returns. A context holds no state of its own (many tasks may enter
-        one at once), so the plain one of each workload is made once and kept: a request
-        allocates none."""
-        if tokens is None and not allow_nested:
-            try:
-                context = self._contexts.get(workload)
-            except TypeError:  # not a name: refused when the context is entered
-                context = None
-            if context is not None:
-                return context
-            context = SlotContext(workload, self, False, None)
-            if workload is None or workload in self._settings.workloads:
-                self._contexts[workload] = context  # never a name that is not configured
-            return context
-        return SlotContext(workload, self, allow_nested, tokens)
 
     def validate_workload(self, workload: str | None) -> str:
         """Resolve a request's workload name (None: the default).

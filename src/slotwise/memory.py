@@ -22,7 +22,7 @@ from ._config import (
     retry_after_seconds,
     wait_timeout,
 )
-from ._core.state import LeaseRecord, LimiterState, Tether, Ticket, holds
+from ._core.state import Holder, LeaseRecord, LimiterState, Tether, Ticket, holds
 from ._errors import ConcurrencyConfigError
 from ._protocol import AcquireRequest, Lease, SupportsLease, W
 from ._runtime.lifecycle import SlotContext, SyncSlotContext, sync_slot, tethering
@@ -142,7 +142,6 @@ class MemoryLimiter(BuiltinLimiter[W]):
         rate: Rate | None = None,
         adaptive: Adaptive | None = None,
     ) -> None:
-        self._contexts = {}
         self._settings: Settings = build_settings(
             name=name,
             max_concurrent=max_concurrent,
@@ -177,7 +176,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
     ) -> SlotContext[W]:
         """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
-        return self._slot(workload, tokens, allow_nested)
+        return SlotContext(workload, self, allow_nested, tokens)
 
     def sync_slot(
         self,
@@ -429,13 +428,14 @@ class MemoryLimiter(BuiltinLimiter[W]):
         workload: str,
         loop: Loop,
         deadline: float | None,
-        tether: Tether | None,
+        holder: Holder | None,
         tokens: int = 0,
     ) -> LeaseRecord:
         """Wait for a slot until the earlier of `deadline` (on `loop`'s clock) and the
-        workload's `max_wait`. The request takes a slot or its place in the queue before
-        this yields (so arrival order is the order of calls), then yields once at least."""
-        ticket, end, waker, until = self._submit(workload, loop, tether, tokens, deadline)
+        workload's `max_wait`, for `holder` (its lease is tethered to it; None: to nothing).
+        The request takes a slot or its place in the queue before this yields (so arrival
+        order is the order of calls), then yields once at least."""
+        ticket, end, waker, until = self._submit(workload, loop, holder, tokens, deadline)
         try:
             parked = False
             if ticket.lease is not None:
@@ -468,7 +468,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         self,
         workload: str,
         loop: Loop | None,
-        tether: Tether | None,
+        holder: Holder | None,
         tokens: int,
         deadline: float | None,
     ) -> tuple[Ticket, float, Waker | None, float]:
@@ -484,7 +484,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             # Checked under the lock: set_limits() may have removed the workload since the
             # request named it (a workload kept only for its held slots takes nothing more).
             resolve_workload(self._settings, workload)
-            ticket, granted = state.submit(workload, now, tether, tokens)
+            ticket, granted = state.submit(workload, now, holder, tokens)
             end = until = self._end(workload, now, loop, deadline)
             if ticket.lease is None and ticket.refused is None and now < end:
                 waker = ThreadWaker() if loop is None else loop.waker()
@@ -496,13 +496,13 @@ class MemoryLimiter(BuiltinLimiter[W]):
         return ticket, end, waker, until
 
     def _take_blocking(
-        self, workload: str, timeout: float | None, tether: Tether | None, tokens: int = 0
+        self, workload: str, timeout: float | None, holder: Holder | None, tokens: int = 0
     ) -> LeaseRecord:
         """`_take()` for a thread with no event loop: blocks until a slot, the timeout
         (seconds) or the workload's `max_wait`."""
         # A thread's state clock is time.monotonic() (a virtual one refuses threads).
         deadline = None if timeout is None else time.monotonic() + timeout
-        ticket, end, waker, until = self._submit(workload, None, tether, tokens, deadline)
+        ticket, end, waker, until = self._submit(workload, None, holder, tokens, deadline)
         try:
             while True:
                 if waker is None:
@@ -719,11 +719,9 @@ class _Watchers:
             return []
         waker.parked = False
         thread = waker.thread
-        others = self._waiting[thread] - 1
+        others = self._waiting.pop(thread, 1) - 1  # a ticket of a state since dropped: none
         if others:
             self._waiting[thread] = others
-        else:
-            del self._waiting[thread]
         if self._watching.get(thread) is not ticket:
             return []
         del self._watching[thread]

@@ -14,6 +14,7 @@ import heapq
 import itertools
 import math
 import secrets
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
@@ -107,7 +108,10 @@ class Ticket:
     enqueued_at: float
     lease: LeaseRecord | None = None
     waker: Any = None
-    tether: Tether | None = None
+    # What will hold its lease (the shell's slot; None: nothing ties the lease to a holder).
+    # Held strongly while it waits, as its waiter holds it anyway; the lease gets a weak
+    # reference to it, its tether, when it is granted.
+    holder: Holder | None = None
     cost: Cost = _NO_COST
     rate_waits: set[str] | None = None
     # Why it will never be granted (the error its waiter raises): a full queue at submit,
@@ -182,7 +186,7 @@ class LimiterState:
         self,
         workload: str,
         now: float,
-        tether: Tether | None = None,
+        holder: Holder | None = None,
         tokens: int = 0,
     ) -> tuple[Ticket, list[Ticket]]:
         """Add a request; return it (granted at once when ``ticket.lease`` is set) and the
@@ -203,7 +207,7 @@ class LimiterState:
             check_cost(self.bank, workload, cost)
         swept = self.tick(now)
         ticket = Ticket(
-            seq=next(self._seq), workload=workload, enqueued_at=now, tether=tether, cost=cost
+            seq=next(self._seq), workload=workload, enqueued_at=now, holder=holder, cost=cost
         )
         # Fast path of `allocate`: an empty queue means every earlier waiter belongs to a
         # workload without room, so this request goes first iff its own workload has room
@@ -556,7 +560,9 @@ class LimiterState:
         self.active[workload] = held + 1
         lease_id = f"{self._prefix}-{next(self._lease_seq)}"
         epoch = 0 if self.aimd is None else self.aimd.epoch
-        record = LeaseRecord(lease_id, workload, now + self.lease_ttl, ticket.tether, epoch)
+        holder = ticket.holder
+        tether = None if holder is None else weakref.ref(holder)
+        record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether, epoch)
         self.leases[lease_id] = record
         heapq.heappush(self._expiries, (record.expires_at, lease_id))
         ticket.lease = record

@@ -624,8 +624,10 @@ async def acquire(
 
 
 # Limiter classes that tie each lease to its Slot (see the module's docstring). They offer
-# `_take_nowait(workload, loop, tether, tokens)`, `_take(workload, loop, deadline, tether,
-# tokens)`, `_take_blocking(workload, timeout, tether, tokens)` and `release_nowait(lease)`.
+# `_take_nowait(workload, loop, tether, tokens)` (the tether: a weak reference to the slot),
+# `_take(workload, loop, deadline, holder, tokens)`, `_take_blocking(workload, timeout,
+# holder, tokens)` (the holder: the slot itself, referred to weakly once granted) and
+# `release_nowait(lease)`.
 # Declared, not guessed from method names that a custom limiter may use for its own ends.
 _tethering: set[type] = set()
 
@@ -714,7 +716,7 @@ def _tethered_wait(slot: Slot, loop: Loop) -> Awaitable[SupportsLease]:
     run = slot._run
     deadline = run.deadline_on(loop) if run is not None else None
     return type(limiter)._take(  # type: ignore[no-any-return]
-        limiter, slot.workload, loop, deadline, weakref.ref(slot), slot._tokens
+        limiter, slot.workload, loop, deadline, slot, slot._tokens
     )
 
 
@@ -809,7 +811,7 @@ def acquire_sync(
     # A deadline already past means: a free slot now, or a timeout.
     remaining = None if deadline is None else max(0.0, deadline - start)
     try:
-        lease = take(limiter, slot.workload, remaining, weakref.ref(slot), slot._tokens)
+        lease = take(limiter, slot.workload, remaining, slot, slot._tokens)
     except BaseException as exc:
         _failed(slot, exc, time.monotonic() - start, False, KeyboardInterrupt)
     slot.lease = lease

@@ -232,7 +232,6 @@ class PostgresLimiter(Coordinator[W]):
         synchronous_commit: bool = True,
         db_timeout: float = 5.0,
     ) -> None:
-        self._contexts = {}
         self._settings: Settings = build_settings(
             name=name,
             max_concurrent=max_concurrent,
@@ -502,7 +501,7 @@ class PostgresLimiter(Coordinator[W]):
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
     ) -> SlotContext[W]:
         """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
-        return self._slot(workload, tokens, allow_nested)
+        return SlotContext(workload, self, allow_nested, tokens)
 
     async def stats(self) -> LimiterStats:
         """Active and queued requests across every process, in total and per workload, and
