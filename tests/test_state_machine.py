@@ -28,7 +28,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from slotwise import ConcurrencyQueueFullError
+from slotwise import ConcurrencyConfigError, ConcurrencyQueueFullError
 from slotwise._core.rules import Rules, WorkloadRule
 from slotwise._core.state import LimiterState, Ticket
 
@@ -448,3 +448,30 @@ def test_the_expiry_heap_does_not_grow_with_released_and_renewed_leases() -> Non
     assert len(state.leases) == 1
     assert len(state._expiries) <= 2 * len(state.leases) + 64
     assert state.next_expiry() == held.lease.expires_at
+
+
+def test_a_grant_lost_to_a_stall_is_refused_when_its_workload_was_removed_meanwhile() -> None:
+    # A waiter of "background" is granted while its loop stalls; set_limits() removes
+    # "background" (kept only for that held slot) and the lease runs out before the waiter
+    # resumes. Put back in its queue it could never be granted again: it is refused.
+    state = seed_state()
+    holders = [state.submit("interactive", 0.0)[0] for _ in range(8)]
+    waiter, _ = state.submit("background", 0.0)
+    assert waiter.lease is None
+    assert holders[0].lease is not None
+    assert state.release(holders[0].lease.lease_id, 1.0) == [waiter]
+    only_interactive = Rules(
+        max_concurrent=8,
+        workloads={"interactive": WorkloadRule(ceiling=8, reserved=2, priority=10)},
+    )
+    state.reconfigure(only_interactive, None, 2.0)
+    assert state.rules.workloads["background"].ceiling == 0  # kept for the held slot
+
+    newcomer, _ = state.submit("interactive", 40.0)  # sweeps the waiter's expired lease
+    assert waiter.lease is not None
+    assert newcomer.lease is not None
+    assert state.regrant(waiter, 40.0) == []
+    assert waiter.lease is None
+    assert isinstance(waiter.refused, ConcurrencyConfigError)
+    assert "removed by set_limits()" in str(waiter.refused)
+    assert state.queued == 0

@@ -285,7 +285,9 @@ class LimiterState:
         """A granted ticket whose lease ran out before its waiter could use it (the waiter's
         thread or loop stalled): drop that lease and put the ticket back at the head of its
         queue, where it was when it was granted, its cost given back to the buckets. Returns
-        what allocation grants now, which may be the ticket itself again."""
+        what allocation grants now, which may be the ticket itself again. If `reconfigure`
+        removed its workload meanwhile, it is refused instead (``ticket.refused``), as the
+        waiters of that workload were: it could never be granted again."""
         record = ticket.lease
         assert record is not None
         ticket.lease = None
@@ -298,6 +300,13 @@ class LimiterState:
             self.bank.refill(now)
             for kind, units in ticket.cost.items():
                 self.bank.give(ticket.workload, kind, -units)
+        rule = self.rules.workloads.get(ticket.workload)
+        if rule is None or not rule.ceiling:  # gone, or kept only for its held slots
+            ticket.refused = ConcurrencyConfigError(
+                f"workload {ticket.workload!r} was removed by set_limits() while this "
+                "request waited"
+            )
+            return self._allocate(now)
         queue = self.queues[ticket.workload]
         queue[ticket.seq] = ticket
         queue.move_to_end(ticket.seq, last=False)
