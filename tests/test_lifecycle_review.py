@@ -346,6 +346,36 @@ def test_a_waiter_left_on_a_closed_loop_keeps_no_one_else_asleep() -> None:
     assert waited[0] < 2.5, waited  # asleep until its timeout would be 3 s
 
 
+def test_a_waiter_left_on_a_closed_loop_does_not_keep_the_watch_of_its_thread() -> None:
+    # The same, with the live waiter on a new event loop in the same thread: the closed
+    # loop's waiter watched the clock for this thread, and can never wake up to do it.
+    limiter = MemoryLimiter(name="closed", max_concurrent=2, lease_ttl=0.2)
+    first = slotwise._runtime.lifecycle.acquire_sync(limiter=limiter)
+    second = slotwise._runtime.lifecycle.acquire_sync(limiter=limiter, allow_nested=True)
+
+    async def wait_for_slot() -> None:
+        async with limiter.slot(allow_nested=True):
+            pass
+
+    async def leave_a_waiter() -> None:
+        asyncio.ensure_future(wait_for_slot())  # noqa: RUF006  (left behind on purpose)
+        await asyncio.sleep(0.05)
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(leave_a_waiter())
+    loop.close()  # its waiter stays queued, on a closed loop
+    del first, second  # abandoned: their leases end within lease_ttl
+
+    async def live() -> float:
+        started = time.monotonic()
+        async with slotwise.run(limiter=limiter, timeout=3):
+            async with limiter.slot(allow_nested=True):
+                return time.monotonic() - started
+
+    waited = asyncio.run(live())  # nothing else touches the limiter meanwhile
+    assert waited < 2.5, waited  # asleep until its budget would be 3 s
+
+
 # -- a virtual clock left behind --------------------------------------------------------------
 
 

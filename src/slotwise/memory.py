@@ -706,8 +706,12 @@ class _Watchers:
             self._waiting[thread] = self._waiting.get(thread, 0) + 1
         waker.parked = True
         ticket.waker = waker
-        if self._watching.setdefault(thread, ticket) is not ticket:
-            return math.inf
+        watcher = self._watching.setdefault(thread, ticket)
+        if watcher is not ticket:
+            if watcher.waker.alive():
+                return math.inf
+            # Its event loop was closed with it waiting: it can never wake up to watch.
+            self._watching[thread] = ticket
         alarm = self.alarms[thread] = math.inf if next_expiry is None else next_expiry
         return alarm
 

@@ -57,6 +57,10 @@ class Waker:
         """Wake the waiter (harmless if it was woken already or has gone)."""
         raise NotImplementedError
 
+    def alive(self) -> bool:
+        """Whether waking it can still reach its waiter (False: its event loop is closed)."""
+        return True
+
 
 class Loop:
     """The running event loop, as the slot lifecycle and the limiters use it."""
@@ -140,6 +144,9 @@ class _FutureWaker(Waker):
                 future.set_result(None)
         except RuntimeError:  # the loop is closed: its waiter with it
             pass
+
+    def alive(self) -> bool:
+        return not self.future.get_loop().is_closed()
 
 
 # Tasks that nothing awaits, kept here so that they are not garbage collected while they run.
