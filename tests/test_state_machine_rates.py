@@ -338,3 +338,32 @@ def test_a_request_short_of_tokens_is_granted_by_the_refill_it_waits_for(
         now = wake
         state.tick(now)
     assert ticket.lease is not None
+
+
+def test_a_grant_lost_to_a_stall_is_refused_when_its_bucket_was_made_too_small() -> None:
+    # A request of 60 tokens is granted while its waiter stalls; set_limits() makes the
+    # bucket hold 50, and the lease runs out before the waiter resumes. Put back in its
+    # queue it would overdraw the bucket: it is refused, as waiting requests were, and its
+    # tokens come back.
+    def rules(capacity: int) -> Rules:
+        return Rules(
+            max_concurrent=1,
+            workloads={"w": WorkloadRule(ceiling=1, reserved=0, priority=0)},
+            buckets={"tokens": BucketRule(kind="tokens", capacity=capacity, per=60.0)},
+        )
+
+    state = LimiterState(rules(100), max_queued=None, lease_ttl=5.0)
+    holder, _ = state.submit("w", 0.0, tokens=1)
+    waiter, _ = state.submit("w", 0.0, tokens=60)
+    assert holder.lease is not None
+    assert waiter.lease is None
+    assert state.release(holder.lease.lease_id, 1.0) == [waiter]
+    granted, refused = state.reconfigure(rules(50), None, 2.0)
+    assert (granted, refused) == ([], [])  # it holds a lease: no waiter to refuse
+
+    state.tick(10.0)  # its lease runs out unrenewed
+    assert state.regrant(waiter, 10.0) == []
+    assert isinstance(waiter.refused, ConcurrencyConfigError)
+    assert "can never be granted" in str(waiter.refused)
+    assert state.queued == 0
+    assert state.bank.buckets["tokens"].level >= 0

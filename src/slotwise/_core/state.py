@@ -286,8 +286,8 @@ class LimiterState:
         thread or loop stalled): drop that lease and put the ticket back at the head of its
         queue, where it was when it was granted, its cost given back to the buckets. Returns
         what allocation grants now, which may be the ticket itself again. If `reconfigure`
-        removed its workload meanwhile, it is refused instead (``ticket.refused``), as the
-        waiters of that workload were: it could never be granted again."""
+        removed its workload or made a bucket too small for its cost meanwhile, it is refused
+        instead (``ticket.refused``), as such waiters were: it could never be granted again."""
         record = ticket.lease
         assert record is not None
         ticket.lease = None
@@ -306,6 +306,9 @@ class LimiterState:
                 f"workload {ticket.workload!r} was removed by set_limits() while this "
                 "request waited"
             )
+        elif self.bank.buckets:
+            ticket.refused = cost_error(self.bank, ticket.workload, ticket.cost)  # made smaller
+        if ticket.refused is not None:
             return self._allocate(now)
         queue = self.queues[ticket.workload]
         queue[ticket.seq] = ticket
