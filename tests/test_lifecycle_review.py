@@ -311,10 +311,13 @@ def test_a_stalled_loop_does_not_delay_expiry_for_other_threads(stalled_backend:
     assert waited < 1.5
 
 
-def test_a_waiter_left_on_a_closed_loop_keeps_no_one_else_asleep() -> None:
-    limiter = MemoryLimiter(name="closed", max_concurrent=2, lease_ttl=0.2)
-    first = slotwise._runtime.lifecycle.acquire_sync(limiter=limiter)
-    second = slotwise._runtime.lifecycle.acquire_sync(limiter=limiter, allow_nested=True)
+def _full_with_a_waiter_on_a_closed_loop(limiter: MemoryLimiter[str]) -> list[slotwise.Slot]:
+    """Fill ``limiter`` (2 slots) from this thread, and leave a waiter queued on an asyncio
+    loop that is then closed. Returns the held slots: dropping them abandons them."""
+    held = [
+        slotwise._runtime.lifecycle.acquire_sync(limiter=limiter),
+        slotwise._runtime.lifecycle.acquire_sync(limiter=limiter, allow_nested=True),
+    ]
 
     async def wait_for_slot() -> None:
         async with limiter.slot(allow_nested=True):
@@ -327,6 +330,12 @@ def test_a_waiter_left_on_a_closed_loop_keeps_no_one_else_asleep() -> None:
     loop = asyncio.new_event_loop()
     loop.run_until_complete(leave_a_waiter())
     loop.close()  # its waiter stays queued, on a closed loop
+    return held
+
+
+def test_a_waiter_left_on_a_closed_loop_keeps_no_one_else_asleep() -> None:
+    limiter = MemoryLimiter(name="closed", max_concurrent=2, lease_ttl=0.2)
+    held = _full_with_a_waiter_on_a_closed_loop(limiter)
     waited: list[float] = []
 
     def live() -> None:
@@ -337,7 +346,7 @@ def test_a_waiter_left_on_a_closed_loop_keeps_no_one_else_asleep() -> None:
     thread = threading.Thread(target=live)
     thread.start()
     time.sleep(0.1)
-    del first, second  # abandoned: their leases end within lease_ttl
+    del held  # abandoned: their leases end within lease_ttl
     gc.collect()
     time.sleep(0.4)
     limiter.stats_nowait()  # sweeps, granting both waiters at once: must not raise
@@ -350,21 +359,8 @@ def test_a_waiter_left_on_a_closed_loop_does_not_keep_the_watch_of_its_thread() 
     # The same, with the live waiter on a new event loop in the same thread: the closed
     # loop's waiter watched the clock for this thread, and can never wake up to do it.
     limiter = MemoryLimiter(name="closed", max_concurrent=2, lease_ttl=0.2)
-    first = slotwise._runtime.lifecycle.acquire_sync(limiter=limiter)
-    second = slotwise._runtime.lifecycle.acquire_sync(limiter=limiter, allow_nested=True)
-
-    async def wait_for_slot() -> None:
-        async with limiter.slot(allow_nested=True):
-            pass
-
-    async def leave_a_waiter() -> None:
-        asyncio.ensure_future(wait_for_slot())  # noqa: RUF006  (left behind on purpose)
-        await asyncio.sleep(0.05)
-
-    loop = asyncio.new_event_loop()
-    loop.run_until_complete(leave_a_waiter())
-    loop.close()  # its waiter stays queued, on a closed loop
-    del first, second  # abandoned: their leases end within lease_ttl
+    held = _full_with_a_waiter_on_a_closed_loop(limiter)
+    del held  # abandoned: their leases end within lease_ttl
 
     async def live() -> float:
         started = time.monotonic()
