@@ -142,6 +142,10 @@ def allocate(
                 shared_used += 1
             held += 1
         return lone
+    # Without reservations a full shared capacity leaves no workload any room.
+    unreserved = rules.shared == rules.max_concurrent
+    if unreserved and shared_used >= rules.shared:
+        return []
     counts = dict(active)
     cursors: dict[str, Iterator[E]] = {}
     heads: dict[str, E] = {}
@@ -198,6 +202,8 @@ def allocate(
         if held >= rules.workloads[best].reserved:
             shared_used += 1
         counts[best] = held + 1
+        if unreserved and shared_used >= rules.shared:
+            break
         following = next(cursors[best], _EMPTY)
         if following is _EMPTY:
             del heads[best]
