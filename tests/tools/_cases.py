@@ -156,13 +156,13 @@ async def case_failing_call_gives_its_slot_back(make: Make) -> None:
 
 async def case_cancelled_queued_calls_never_run(make: Make) -> None:
     """Cancelling the batch while one call runs and two wait (one in the limiter's queue, one
-    behind another call of its pool): neither waiting call ever enters its handler, and no
-    slot is left held or queued."""
+    in the batch behind another call of its pool): neither waiting call ever enters its
+    handler, and no slot is left held or queued."""
     limiter = await build(
         make,
         name="tools",
-        max_concurrent=1,
-        workloads={"p": Workload(), "q": Workload()},
+        max_concurrent=2,
+        workloads={"p": Workload(max_concurrent=1), "q": Workload()},
         default_workload="p",
     )
     box = ToolBox(limiter=limiter)
@@ -174,17 +174,18 @@ async def case_cancelled_queued_calls_never_run(make: Make) -> None:
     events: list[slotwise.ConcurrencyEvent] = []
     unsubscribe = slotwise.subscribe(events.append, limiter=limiter)
     try:
-        with anyio.CancelScope() as scope:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(box.run, calls("block", "same_pool", "other_pool"))
+        async with limiter.slot("q"):  # another holder: one slot is left for the batch
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(box.run, calls("block", "same_pool", "other_pool"))
 
-                # c0 and c2 race for the only slot; the loser waits in the limiter's queue,
-                # and c1 behind c0 in its pool.
-                async def queued() -> bool:
-                    return bool(activity.total == 1 and (await limiter.stats()).queued == 1)
+                    # c0 and c2 ask for the one slot left; the loser waits in the limiter's
+                    # queue, and c1 in the batch, behind c0 in its pool.
+                    async def queued() -> bool:
+                        return bool(activity.total == 1 and (await limiter.stats()).queued == 1)
 
-                await until(queued)
-                scope.cancel()
+                    await until(queued)
+                    scope.cancel()
         [ran] = activity.entered
         await until(lambda: idle(limiter))
     finally:

@@ -314,6 +314,63 @@ async def test_a_fail_fast_pool_refuses_at_once_what_it_cannot_start() -> None:
     assert activity.entered == ["c0"]
 
 
+async def test_a_batch_asks_the_limiter_for_no_more_slots_than_it_could_grant() -> None:
+    box = box_of(max_concurrent=3, default=Workload(), search=Workload(max_concurrent=2))
+    activity = Activity()
+    gate = anyio.Event()
+    counted(box, activity, "search", pool="search", gate=gate)
+    counted(box, activity, "read", pool="default", gate=gate)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(box.run, calls("search", "search", "search", "read", "read", "search"))
+        await until(lambda: activity.total == 3)
+        # The other calls wait in the batch: none queues in the limiter behind its own batch.
+        stats = await box.limiter.stats()
+        assert (stats.active, stats.queued) == (3, 0)
+        assert activity.entered == ["c0", "c1", "c3"]
+        gate.set()
+    assert activity.peak_total == 3
+    assert activity.peak["search"] == 2
+    assert sorted(activity.entered) == ["c0", "c1", "c2", "c3", "c4", "c5"]
+
+
+async def test_a_batchs_calls_start_by_their_pools_priority_then_in_the_models_order() -> None:
+    box = box_of(max_concurrent=1, low=Workload(), high=Workload(priority=5))
+    activity = Activity()
+    counted(box, activity, "chat", pool="low", hold=HOLD)
+    counted(box, activity, "alert", pool="high", hold=HOLD)
+    results = await box.run(calls("chat", "chat", "alert", "chat", "alert"))
+    assert [r.error for r in results] == [None] * 5
+    assert activity.entered == ["c2", "c4", "c0", "c1", "c3"]
+    assert activity.peak_total == 1
+
+
+async def test_a_batch_leaves_a_pools_reserved_slots_to_that_pool() -> None:
+    box = box_of(max_concurrent=3, default=Workload(), audit=Workload(reserved=1))
+    activity = Activity()
+    gate = anyio.Event()
+    counted(box, activity, "read", pool="default", gate=gate)
+    counted(box, activity, "audit", pool="audit", gate=gate)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(box.run, calls("read", "read", "read", "read", "audit"))
+        await until(lambda: activity.total == 3)
+        # Two reads share the unreserved slots; the audit call takes its reserved one at once.
+        assert sorted(activity.entered) == ["c0", "c1", "c4"]
+        assert (await box.limiter.stats()).queued == 0
+        gate.set()
+    assert activity.peak_total == 3
+
+
+async def test_a_fail_fast_call_its_own_batch_leaves_no_room_for_is_refused_at_once() -> None:
+    box = box_of(max_concurrent=1, default=Workload(), payments=Workload(max_wait=0))
+    activity = Activity()
+    counted(box, activity, "read", pool="default", hold=HOLD)
+    counted(box, activity, "refund", pool="payments")
+    results = await box.run(calls("read", "refund", "read"))
+    assert [r.error for r in results] == [None, "concurrency-limit", None]
+    assert results[1].wait_time == 0.0
+    assert activity.entered == ["c0", "c2"]
+
+
 async def test_a_fail_fast_pool_busy_with_another_run_refuses_without_waiting() -> None:
     box = box_of(
         max_concurrent=4, default=Workload(), payments=Workload(max_concurrent=1, max_wait=0)

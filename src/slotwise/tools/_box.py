@@ -14,9 +14,11 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Generic, Literal, TypeAlias, TypeVar, final, overload
 
 import anyio
+from anyio.abc import TaskGroup
 from anyio.lowlevel import checkpoint
 
-from .._config import DEFAULT_WORKLOAD, seconds
+from .._config import DEFAULT_WORKLOAD, Workload, seconds
+from .._core.rules import Rules, WorkloadRule, allocate
 from .._errors import (
     ConcurrencyConfigError,
     ConcurrencyError,
@@ -115,7 +117,7 @@ class ToolBox(Generic[W]):
         ```
     """
 
-    __slots__ = ("_calls", "_limiter", "_lock", "_max_calls", "_result_budget", "_tools")
+    __slots__ = ("_calls", "_limiter", "_lock", "_max_calls", "_result_budget", "_rules", "_tools")
 
     @overload
     def __init__(
@@ -155,6 +157,8 @@ class ToolBox(Generic[W]):
         # Calls counted per root run: a run tree shares one count, gone with its root.
         self._calls: weakref.WeakKeyDictionary[Run, int] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
+        # The limiter's rules as its settings state them, kept while those stay the same.
+        self._rules: tuple[object, object, Rules] | None = None
 
     @property
     def limiter(self) -> Any:
@@ -336,6 +340,45 @@ class ToolBox(Generic[W]):
         with self._lock:
             self._calls[root] = self._calls.get(root, count) - count
 
+    def _limits_of(self, pools: Iterable[str], calls: int) -> Rules:
+        """The allocation rules of the limiter's public settings (`max_concurrent`,
+        `workloads`), for the batch to ask for no more slots than the limiter could grant it:
+        a pool it says nothing of may hold every slot; a limiter that states no
+        `max_concurrent` lets every call ask at once."""
+        limiter = self._limiter
+        total = getattr(limiter, "max_concurrent", None)
+        workloads = getattr(limiter, "workloads", None)
+        kept = self._rules
+        if kept is not None and kept[0] is workloads and kept[1] == total:
+            rules = kept[2]
+        else:
+            limit = total if isinstance(total, int) and total > 0 else None
+            stated: dict[str, WorkloadRule] = {}
+            if limit is not None and isinstance(workloads, Mapping):
+                for name, settings in workloads.items():
+                    if isinstance(settings, Workload):
+                        ceiling = min(limit, max(1, settings.max_concurrent or limit))
+                        stated[str(name)] = WorkloadRule(
+                            ceiling=ceiling,
+                            reserved=min(ceiling, max(0, settings.reserved)),
+                            priority=settings.priority,
+                        )
+            if sum(rule.reserved for rule in stated.values()) > (limit or 0):
+                stated = {
+                    name: WorkloadRule(ceiling=rule.ceiling, reserved=0, priority=rule.priority)
+                    for name, rule in stated.items()
+                }
+            rules = Rules(max_concurrent=limit or 0, workloads=stated)
+            self._rules = (workloads, total, rules)
+        missing = [pool for pool in pools if pool not in rules.workloads]
+        if rules.max_concurrent and not missing:
+            return rules
+        limit = rules.max_concurrent or max(calls, 1)
+        unstated = WorkloadRule(ceiling=limit, reserved=0, priority=0)
+        return Rules(
+            max_concurrent=limit, workloads={**rules.workloads, **dict.fromkeys(missing, unstated)}
+        )
+
     def __repr__(self) -> str:
         limiter = getattr(self._limiter, "name", type(self._limiter).__name__)
         tools = ", ".join(f"{tool.name} ({tool.pool})" for tool in self._tools.values())
@@ -416,14 +459,20 @@ class _Batch:
 
     __slots__ = (
         "arguments",
+        "bounds",
         "box",
         "calls",
+        "group",
         "in_run",
         "limiter",
         "limiter_name",
         "lineage",
         "now",
+        "pending",
         "results",
+        "rules",
+        "running",
+        "shared_used",
         "started",
         "taken",
         "tools",
@@ -442,6 +491,14 @@ class _Batch:
         self.taken = [False] * len(calls)
         self.now = _clock()
         self.started = 0.0
+        # Calls not started yet, by pool, in the model's order; the batch's calls started and
+        # not ended, by pool, and the shared capacity they occupy, under `rules`.
+        self.pending: dict[str, deque[int]] = {}
+        self.running: dict[str, int] = {}
+        self.shared_used = 0
+        self.rules = Rules(max_concurrent=0, workloads={})
+        self.bounds: dict[str, float] = {}  # when a pool's calls stop waiting, by pool
+        self.group: TaskGroup | None = None
 
     async def run(self) -> list[ToolResult]:
         self.started = self.now()
@@ -456,16 +513,18 @@ class _Batch:
                 "budget-exhausted",
                 f"Tool {tool.name!r} did not run: this run has made its {limit} tool calls.",
             )
-        workers = self._plan(ready[:granted])
+        admitted = ready[:granted]
+        first, chain = self._plan(admitted)
         try:
-            if len(workers) == 1:
-                await self._work(*workers[0])
-            elif workers:
-                async with anyio.create_task_group() as tg:
-                    for worker in workers:
-                        tg.start_soon(self._work, *worker)
+            if not self.pending and len(first) + bool(chain) == 1:
+                await (self._chain(chain) if chain else self._work(first[0], True))
+            elif first or chain:
+                async with anyio.create_task_group() as self.group:
+                    self._start(first, True)
+                    if chain:
+                        self.group.start_soon(self._chain, chain)
         except BaseException:
-            self._abandon(ready[:granted])
+            self._abandon(admitted)
             raise
         results: list[ToolResult] = []
         for result in self.results:
@@ -515,54 +574,111 @@ class _Batch:
         self.arguments[i] = dict(arguments)
         return True
 
-    def _plan(self, admitted: list[int]) -> list[tuple[deque[int], bool, float | None]]:
-        """The workers: their queue of calls, whether it is the sequential chain, and when a
-        call of theirs stops waiting for a slot (None: only the run's budget bounds it).
+    def _plan(self, admitted: list[int]) -> tuple[list[int], deque[int]]:
+        """Queue the calls by pool and return those to start now, and the sequential chain.
 
-        A pool gets one worker per slot it can ever hold, each taking the pool's next call in
-        the model's order: more would only queue behind this batch's own calls (and a batch
-        of a thousand calls never puts a thousand requests in the limiter's queue). The first
-        call of each worker asks the limiter at once and waits up to the pool's `max_wait`;
-        a later one has waited for this batch's earlier calls, so it waits only what is left
-        of `max_wait` since the batch started. A fail-fast pool refuses at once the calls
-        beyond its ceiling: they could not have had a slot.
+        The batch asks the limiter for no more slots than the limiter could grant it, were
+        it alone: which of its calls start, and which start next whenever one ends, are
+        decided by the limiter's own allocation rules (ceilings, reservations, priority)
+        applied to the batch's calls, in the model's order. The rest wait in the batch, not
+        in the limiter's queue: a batch of a thousand calls never puts a thousand requests
+        there, nor a request behind its own. A call that starts later has waited since the
+        batch started: it waits only what is left of its pool's `max_wait`. A fail-fast
+        pool's calls that cannot start at once are refused at once. The chain of sequential
+        calls starts at once, one call at a time, each asking for its slot itself.
         """
         chain: deque[int] = deque()
-        pools: dict[str, list[int]] = {}
+        pending = self.pending
         for i in admitted:
             tool = self.tools[i]
             assert tool is not None
             if tool.sequential:
                 chain.append(i)
             else:
-                pools.setdefault(tool.pool, []).append(i)
-        workers: list[tuple[deque[int], bool, float | None]] = []
-        for pool, indices in pools.items():
-            ceiling, max_wait = _limits(self.limiter, pool)
-            if ceiling is not None and max_wait == 0:
-                for i in indices[ceiling:]:
+                pending.setdefault(tool.pool, deque()).append(i)
+        pools = {*pending, *(self._pool_of(i) for i in chain)}
+        self.rules = self.box._limits_of(pools, len(admitted))
+        if chain:
+            self._count(self._pool_of(chain[0]), 1)
+        first = self._next()
+        for pool, queue in list(pending.items()):
+            max_wait = _limits(self.limiter, pool)[1]
+            if max_wait == 0:
+                for i in queue:
                     self.taken[i] = True
                     self._reject(i, "concurrency-limit", self._busy(i))
-                del indices[ceiling:]
-            count = len(indices) if ceiling is None else min(len(indices), ceiling)
-            bound = None if max_wait is None else self.started + max_wait
-            workers += [(deque(indices), False, bound)] * count
-        if chain:
-            workers.append((chain, True, None))
-        return workers
+                del pending[pool]
+            elif max_wait is not None:
+                self.bounds[pool] = self.started + max_wait
+        return first, chain
+
+    def _pool_of(self, i: int) -> str:
+        tool = self.tools[i]
+        assert tool is not None
+        return tool.pool
+
+    def _count(self, pool: str, change: int) -> None:
+        """Count a call of ``pool`` started (1) or ended (-1), as the limiter counts slots."""
+        held = self.running.get(pool, 0)
+        reserved = self.rules.workloads[pool].reserved
+        if change > 0:
+            if held >= reserved:
+                self.shared_used += 1
+            self.running[pool] = held + 1
+        else:
+            self.running[pool] = held - 1
+            if held - 1 >= reserved:
+                self.shared_used -= 1
+
+    def _next(self) -> list[int]:
+        """The waiting calls that start now (counted), in the order they start."""
+        pending = self.pending
+        if not pending:
+            return []
+        # A call's key among those waiting is its index: its place in the model's order.
+        started = allocate(self.rules, self.running, pending, int, shared_used=self.shared_used)
+        for i in started:
+            pool = self._pool_of(i)
+            queue = pending[pool]
+            queue.popleft()
+            if not queue:
+                del pending[pool]
+            self._count(pool, 1)
+        return started
+
+    def _start(self, indices: list[int], first: bool = False) -> None:
+        assert self.group is not None or not indices
+        for i in indices:
+            self.group.start_soon(self._work, i, first)  # type: ignore[union-attr]
 
     # -- running calls --------------------------------------------------------------------
 
-    async def _work(self, queue: deque[int], chain: bool, bound: float | None) -> None:
-        first = True
-        while queue:
-            i = queue.popleft()
+    async def _work(self, i: int, first: bool) -> None:
+        """Run call ``i``, then each call that the end of the previous one lets start."""
+        while True:
+            pool = self._pool_of(i)
             self.taken[i] = True
-            if chain:
-                await self._call(i, self.now(), None)
-            else:
-                await self._call(i, self.started, None if first else bound)
-            first = False
+            await self._call(i, self.started, None if first else self.bounds.get(pool))
+            self._count(pool, -1)
+            following = self._next()
+            if not following:
+                return
+            i, first = following[0], False
+            self._start(following[1:])
+
+    async def _chain(self, chain: deque[int]) -> None:
+        """Run the sequential calls one at a time, in the order given."""
+        counted = True  # the first call's slot was counted with the batch's first calls
+        while chain:
+            i = chain.popleft()
+            pool = self._pool_of(i)
+            if not counted:
+                self._count(pool, 1)
+            self.taken[i] = True
+            await self._call(i, self.now(), None)
+            self._count(pool, -1)
+            counted = False
+            self._start(self._next())
 
     async def _call(self, i: int, since: float, bound: float | None) -> None:
         """Run call ``i``: wait for its slot (until ``bound`` at most, besides the limiter's
@@ -587,7 +703,7 @@ class _Batch:
                     waiting.deadline = math.inf
                     started = self.now()
                     running = True
-                    self._emit(ToolStartedEvent, i, held.request_id, wait_time=started - since)
+                    self._emit(ToolStartedEvent, i, held, wait_time=started - since)
                     if tool.timeout is None:
                         value = await tool.handler(**self.arguments[i])
                     else:
@@ -653,7 +769,7 @@ class _Batch:
                 self._emit(
                     ToolRejectedEvent,
                     i,
-                    held.request_id if held is not None else None,
+                    held,
                     wait_time=now - since,
                     reason="cancelled",
                 )
@@ -788,7 +904,7 @@ class _Batch:
         self._emit(
             ToolFinishedEvent,
             i,
-            held.request_id if held is not None else None,
+            held,
             wait_time=waited,
             duration=duration,
             outcome=outcome,
@@ -796,9 +912,11 @@ class _Batch:
             exception=exception,
         )
 
-    def _emit(self, cls: Any, i: int, request_id: str | None, **fields: Any) -> None:
+    def _emit(self, cls: Any, i: int, source: Slot | str | None, **fields: Any) -> None:
+        """Emit a tool event of call ``i``; ``source``: its slot, or the id of its request."""
         if not dispatch.wants(self.limiter):
-            return
+            return  # and no request is numbered for nobody to read
+        request_id = source.request_id if isinstance(source, Slot) else source
         call = self.calls[i]
         tool = self.tools[i]
         run_id, root_run_id, parent_run_id = self.lineage
