@@ -326,7 +326,7 @@ async def test_a_batch_asks_the_limiter_for_no_more_slots_than_it_could_grant() 
         # The other calls wait in the batch: none queues in the limiter behind its own batch.
         stats = await box.limiter.stats()
         assert (stats.active, stats.queued) == (3, 0)
-        assert activity.entered == ["c0", "c1", "c3"]
+        assert sorted(activity.entered) == ["c0", "c1", "c3"]  # trio runs them in any order
         gate.set()
     assert activity.peak_total == 3
     assert activity.peak["search"] == 2
@@ -369,6 +369,90 @@ async def test_a_fail_fast_call_its_own_batch_leaves_no_room_for_is_refused_at_o
     assert [r.error for r in results] == [None, "concurrency-limit", None]
     assert results[1].wait_time == 0.0
     assert activity.entered == ["c0", "c2"]
+
+
+async def test_a_pool_the_reservations_leave_no_room_asks_the_limiter_all_the_same() -> None:
+    # The reservations take both slots: the limiter can never grant the "spare" pool, and the
+    # batch lets it answer (after max_wait) rather than leaving the calls unstarted.
+    box = box_of(max_concurrent=2, owned=Workload(reserved=2), spare=Workload(max_wait=0.05))
+    activity = Activity()
+    counted(box, activity, "own", pool="owned")
+    counted(box, activity, "borrow", pool="spare")
+    with anyio.fail_after(10):
+        results = await box.run(calls("borrow", "borrow", "own"))
+    assert [r.error for r in results] == ["concurrency-limit", "concurrency-limit", None]
+    assert activity.entered == ["c2"]
+    assert await idle(box.limiter)
+
+
+@on_mock_clock()
+async def test_a_sequential_call_waits_its_turn_in_the_batch_not_before_a_call_chosen_first() -> (
+    None
+):
+    box = box_of(max_concurrent=1, default=Workload(max_wait=3.0))
+    activity = Activity()
+    counted(box, activity, "write", pool="default", hold=2.0, sequential=True)
+    counted(box, activity, "read", pool="default", hold=2.0)
+    queued = []
+
+    async def watch() -> None:
+        while True:
+            queued.append((await box.limiter.stats()).queued)
+            await anyio.sleep(0.5)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        results = await box.run(calls("write", "read", "write"))
+        tg.cancel_scope.cancel()
+    # c1's turn comes when c0 ends, before c2's: the chain's next call does not take its slot.
+    assert [(r.error, round(r.wait_time)) for r in results] == [(None, 0), (None, 2), (None, 2)]
+    assert activity.entered == ["c0", "c1", "c2"]
+    assert set(queued) == {0}
+
+
+async def test_a_sequential_call_of_a_fail_fast_pool_without_room_is_refused_and_the_chain_goes_on() -> (
+    None
+):
+    box = box_of(max_concurrent=1, default=Workload(), payments=Workload(max_wait=0))
+    activity = Activity()
+    counted(box, activity, "read", pool="default", hold=HOLD)
+    counted(box, activity, "charge", pool="payments", sequential=True)
+    counted(box, activity, "note", pool="default", sequential=True)
+    results = await box.run(calls("read", "charge", "note"))
+    assert [r.error for r in results] == [None, "concurrency-limit", None]
+    assert activity.entered == ["c0", "c2"]
+
+
+class _Stating:
+    """A limiter that states settings of its own, changed in place, over a MemoryLimiter."""
+
+    name = "stating"
+
+    def __init__(self) -> None:
+        self.inner = MemoryLimiter(name="inner", max_concurrent=3)
+        self.max_concurrent = 3
+        self.workloads = {"default": Workload(max_concurrent=1)}
+
+    async def acquire(self, request: Any) -> Any:
+        return await self.inner.acquire(request)
+
+    async def renew(self, lease: Any) -> Any:
+        return await self.inner.renew(lease)
+
+    async def release(self, lease: Any) -> Any:
+        return await self.inner.release(lease)
+
+
+async def test_a_batch_follows_settings_a_limiter_changed_in_place() -> None:
+    limiter = _Stating()
+    box = ToolBox(limiter=limiter)
+    activity = Activity()
+    counted(box, activity, "work", pool="default", hold=HOLD)
+    await box.run(calls("work", "work", "work"))
+    assert activity.peak_total == 1
+    limiter.workloads["default"] = Workload(max_concurrent=3)
+    await box.run(calls("work", "work", "work"))
+    assert activity.peak_total == 3
 
 
 async def test_a_fail_fast_pool_busy_with_another_run_refuses_without_waiting() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import inspect
 import json
 import math
@@ -348,8 +349,10 @@ class ToolBox(Generic[W]):
         limiter = self._limiter
         total = getattr(limiter, "max_concurrent", None)
         workloads = getattr(limiter, "workloads", None)
+        # What the settings were (a limiter may change its mapping in place).
+        stated_then = tuple(workloads.items()) if isinstance(workloads, Mapping) else workloads
         kept = self._rules
-        if kept is not None and kept[0] is workloads and kept[1] == total:
+        if kept is not None and kept[0] == stated_then and kept[1] == total:
             rules = kept[2]
         else:
             limit = total if isinstance(total, int) and total > 0 else None
@@ -369,7 +372,7 @@ class ToolBox(Generic[W]):
                     for name, rule in stated.items()
                 }
             rules = Rules(max_concurrent=limit or 0, workloads=stated)
-            self._rules = (workloads, total, rules)
+            self._rules = (stated_then, total, rules)
         missing = [pool for pool in pools if pool not in rules.workloads]
         if rules.max_concurrent and not missing:
             return rules
@@ -449,6 +452,19 @@ def _limits(limiter: Any, pool: str) -> tuple[int | None, float | None]:
     )
 
 
+class _Turn:
+    """The sequential chain's call whose turn has come: when it came, and whether the call
+    started then or, set when it starts, later."""
+
+    __slots__ = ("at_once", "call", "since", "started")
+
+    def __init__(self, call: int, since: float) -> None:
+        self.call = call
+        self.since = since
+        self.at_once = False
+        self.started = anyio.Event()
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -476,6 +492,7 @@ class _Batch:
         "started",
         "taken",
         "tools",
+        "turn",
     )
 
     def __init__(self, box: ToolBox[Any], run: Run, calls: list[ToolCall]) -> None:
@@ -499,6 +516,7 @@ class _Batch:
         self.rules = Rules(max_concurrent=0, workloads={})
         self.bounds: dict[str, float] = {}  # when a pool's calls stop waiting, by pool
         self.group: TaskGroup | None = None
+        self.turn: _Turn | None = None  # the chain's call whose turn has come
 
     async def run(self) -> list[ToolResult]:
         self.started = self.now()
@@ -515,13 +533,16 @@ class _Batch:
             )
         admitted = ready[:granted]
         first, chain = self._plan(admitted)
+        turn = self.turn
+        workers = len(first) - (turn is not None and turn.at_once) + (turn is not None)
         try:
-            if not self.pending and len(first) + bool(chain) == 1:
-                await (self._chain(chain) if chain else self._work(first[0], True))
-            elif first or chain:
+            if workers == 1 and not self.pending:
+                kept = self._start(first, True, keep=True)
+                await (self._chain(chain) if kept is None else self._work(kept, True))
+            elif workers:
                 async with anyio.create_task_group() as self.group:
                     self._start(first, True)
-                    if chain:
+                    if turn is not None:
                         self.group.start_soon(self._chain, chain)
         except BaseException:
             self._abandon(admitted)
@@ -585,7 +606,8 @@ class _Batch:
         there, nor a request behind its own. A call that starts later has waited since the
         batch started: it waits only what is left of its pool's `max_wait`. A fail-fast
         pool's calls that cannot start at once are refused at once. The chain of sequential
-        calls starts at once, one call at a time, each asking for its slot itself.
+        calls joins in one call at a time: its next call waits among the others from its
+        turn on.
         """
         chain: deque[int] = deque()
         pending = self.pending
@@ -598,16 +620,19 @@ class _Batch:
                 pending.setdefault(tool.pool, deque()).append(i)
         pools = {*pending, *(self._pool_of(i) for i in chain)}
         self.rules = self.box._limits_of(pools, len(admitted))
-        if chain:
-            self._count(self._pool_of(chain[0]), 1)
-        first = self._next()
+        first = self._turns(chain) if chain else self._next()
         for pool, queue in list(pending.items()):
             max_wait = _limits(self.limiter, pool)[1]
             if max_wait == 0:
+                turn = None if self.turn is None else self.turn.call  # the chain's: its own
                 for i in queue:
-                    self.taken[i] = True
-                    self._reject(i, "concurrency-limit", self._busy(i))
-                del pending[pool]
+                    if i != turn:
+                        self.taken[i] = True
+                        self._reject(i, "concurrency-limit", self._busy(i))
+                if turn is not None and turn in queue:
+                    pending[pool] = deque([turn])
+                else:
+                    del pending[pool]
             elif max_wait is not None:
                 self.bounds[pool] = self.started + max_wait
         return first, chain
@@ -637,48 +662,87 @@ class _Batch:
             return []
         # A call's key among those waiting is its index: its place in the model's order.
         started = allocate(self.rules, self.running, pending, int, shared_used=self.shared_used)
+        if not started and not any(self.running.values()):
+            # The rules as the limiter states them give the batch no room even alone (a pool
+            # without a reservation where reservations take every slot): its first call
+            # asks anyway, and the limiter answers it, as it would answer anyone.
+            started = [min(queue[0] for queue in pending.values())]
         for i in started:
             pool = self._pool_of(i)
             queue = pending[pool]
-            queue.popleft()
+            queue.popleft()  # the calls started are heads, in their queues' order
             if not queue:
                 del pending[pool]
             self._count(pool, 1)
         return started
 
-    def _start(self, indices: list[int], first: bool = False) -> None:
-        assert self.group is not None or not indices
+    def _start(self, indices: list[int], first: bool = False, keep: bool = False) -> int | None:
+        """Start the calls ``indices``: the chain's call goes on in the chain, the others in
+        workers of their own but one, returned for the caller to run itself if ``keep``."""
+        kept = None
         for i in indices:
-            self.group.start_soon(self._work, i, first)  # type: ignore[union-attr]
+            if self.turn is not None and i == self.turn.call:
+                self.turn.started.set()
+            elif keep and kept is None:
+                kept = i
+            else:
+                assert self.group is not None
+                self.group.start_soon(self._work, i, first)
+        return kept
+
+    def _turns(self, chain: deque[int]) -> list[int]:
+        """Give the chain's next call its turn: from now on it waits among the batch's calls,
+        or, if its pool fails fast and it cannot start at once, it is refused and the next
+        one has its turn. Return the calls that start now."""
+        started: list[int] = []
+        while chain:
+            i = chain.popleft()
+            pool = self._pool_of(i)
+            queue = self.pending.setdefault(pool, deque())
+            bisect.insort(queue, i)
+            self.turn = _Turn(i, self.now())
+            started += self._next()
+            if i in started:
+                self.turn.at_once = True
+                break
+            if _limits(self.limiter, pool)[1] != 0:
+                break
+            self.turn = None
+            queue.remove(i)
+            if not queue:
+                del self.pending[pool]
+            self.taken[i] = True
+            self._reject(i, "concurrency-limit", self._busy(i))
+        return started
 
     # -- running calls --------------------------------------------------------------------
 
-    async def _work(self, i: int, first: bool) -> None:
+    async def _work(self, i: int | None, first: bool) -> None:
         """Run call ``i``, then each call that the end of the previous one lets start."""
-        while True:
+        while i is not None:
             pool = self._pool_of(i)
             self.taken[i] = True
             await self._call(i, self.started, None if first else self.bounds.get(pool))
             self._count(pool, -1)
-            following = self._next()
-            if not following:
-                return
-            i, first = following[0], False
-            self._start(following[1:])
+            i, first = self._start(self._next(), keep=True), False
 
     async def _chain(self, chain: deque[int]) -> None:
-        """Run the sequential calls one at a time, in the order given."""
-        counted = True  # the first call's slot was counted with the batch's first calls
-        while chain:
-            i = chain.popleft()
+        """Run the sequential calls one at a time, in the order given: each waits from its
+        turn, at most its pool's `max_wait`."""
+        while self.turn is not None:
+            turn = self.turn
+            i = turn.call
             pool = self._pool_of(i)
-            if not counted:
-                self._count(pool, 1)
+            bound = None
+            if not turn.at_once:
+                await turn.started.wait()
+                max_wait = _limits(self.limiter, pool)[1]
+                bound = None if max_wait is None else turn.since + max_wait
+            self.turn = None
             self.taken[i] = True
-            await self._call(i, self.now(), None)
+            await self._call(i, turn.since, bound)
             self._count(pool, -1)
-            counted = False
-            self._start(self._next())
+            self._start(self._turns(chain) if chain else self._next())
 
     async def _call(self, i: int, since: float, bound: float | None) -> None:
         """Run call ``i``: wait for its slot (until ``bound`` at most, besides the limiter's
