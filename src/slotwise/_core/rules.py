@@ -147,16 +147,14 @@ def allocate(
     if unreserved and shared_used >= rules.shared:
         return []
     counts = dict(active)
-    cursors: dict[str, Iterator[E]] = {}
     heads: dict[str, E] = {}
     keys: dict[str, Any] = {}  # each head's order(), asked once
     for name, queue in queues.items():
-        cursor = iter(queue)
-        head = next(cursor, _EMPTY)
-        if head is not _EMPTY:
-            cursors[name] = cursor
+        for head in queue:
             heads[name] = head
             keys[name] = order(head)
+            break
+    cursors: dict[str, Iterator[E]] = {}  # past the heads granted, made when first needed
     workloads = rules.workloads
     claimed: set[str] = set()
     grants: list[E] = []
@@ -204,7 +202,11 @@ def allocate(
         counts[best] = held + 1
         if unreserved and shared_used >= rules.shared:
             break
-        following = next(cursors[best], _EMPTY)
+        cursor = cursors.get(best)
+        if cursor is None:
+            cursor = cursors[best] = iter(queues[best])
+            next(cursor)  # the head just granted
+        following = next(cursor, _EMPTY)
         if following is _EMPTY:
             del heads[best]
         else:
