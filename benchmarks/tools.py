@@ -5,9 +5,9 @@ the design of the stacked semaphores: a task per call, a global semaphore, then 
 per tool, gathered (``asyncio.gather`` on asyncio, a nursery on trio). The figure is the cost
 per call, the batch's CPU time divided by its calls; tools that return at once leave only the
 machinery to measure. The ToolBox also does what the semaphores cannot: one atomic admission
-of the pair, results by id, budgets and events. A third row, the same workers taking
-``limiter.slot()`` around each call and doing nothing else, shows how much of the ToolBox's
-cost is the slot lifecycle itself.
+of the pair, results by id, budgets and events. A third row, as many workers as the ToolBox
+runs calls at once, taking ``limiter.slot()`` around each call and doing nothing else, shows
+how much of the ToolBox's cost is the slot lifecycle itself.
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ def toolbox() -> ToolBox[str]:
 
 
 def slots_only(box: ToolBox[str]) -> Callable[[list[ToolCall]], Awaitable[list[Any]]]:
-    """The ToolBox's floor: the same workers (one per slot a pool can hold), each call in
-    `limiter.slot()` around the handler, and nothing else (no results, checks or events)."""
+    """The ToolBox's floor: as many calls at once as the ToolBox runs (the limiter's 8 slots:
+    one worker per pool, each taking its pool's calls in turn), each call in `limiter.slot()`
+    around the handler, and nothing else (no choice of the next call, no results, checks or
+    events)."""
 
     async def run_batch(calls: list[ToolCall]) -> list[Any]:
         results: list[Any] = [None] * len(calls)
@@ -87,7 +89,7 @@ def slots_only(box: ToolBox[str]) -> Callable[[list[ToolCall]], Awaitable[list[A
 
         async with anyio.create_task_group() as tg:
             for name in NAMES:
-                for _ in range(PER_POOL):
+                for _ in range(max(1, min(PER_POOL, GLOBAL // POOLS))):
                     tg.start_soon(work, name)
         return results
 

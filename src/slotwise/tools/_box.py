@@ -767,7 +767,8 @@ class _Batch:
                     waiting.deadline = math.inf
                     started = self.now()
                     running = True
-                    self._emit(ToolStartedEvent, i, held, wait_time=started - since)
+                    if dispatch.wants(self.limiter):
+                        self._emit(ToolStartedEvent, i, held, wait_time=started - since)
                     if tool.timeout is None:
                         value = await tool.handler(**self.arguments[i])
                     else:
@@ -965,6 +966,8 @@ class _Batch:
         effect: ToolEffect,
         exception: str | None,
     ) -> None:
+        if not dispatch.wants(self.limiter):
+            return
         self._emit(
             ToolFinishedEvent,
             i,
