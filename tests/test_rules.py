@@ -6,6 +6,7 @@ priority 10, ``background`` has a ceiling of 6.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping
 
 import pytest
@@ -159,15 +160,43 @@ def test_allocate_leaves_the_active_counts_alone() -> None:
     assert active == {"background": 2}
 
 
-def test_allocate_reads_only_the_heads_it_grants() -> None:
-    def endless(workload: str) -> Iterator[tuple[str, int]]:
+class Endless:
+    """A workload's queue without end: iterating it again starts from its head again."""
+
+    def __init__(self, workload: str) -> None:
+        self.workload = workload
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
         n = 0
         while True:
-            yield (workload, n)
+            yield (self.workload, n)
             n += 1
 
-    granted = allocate(SEED, {}, {"background": endless("background")}, arrival)
-    assert len(granted) == 6
+    def __len__(self) -> int:
+        return sys.maxsize
+
+    def __contains__(self, item: object) -> bool:
+        return isinstance(item, tuple) and item[0] == self.workload
+
+
+def test_allocate_reads_only_the_heads_it_grants() -> None:
+    granted = allocate(SEED, {}, {"background": Endless("background")}, arrival)
+    assert granted == [("background", n) for n in range(6)]
+    # Among several workloads: interactive first (priority), background in what is left.
+    granted = allocate(
+        SEED,
+        {},
+        {"background": Endless("background"), "interactive": Endless("interactive")},
+        arrival,
+    )
+    assert granted == [("interactive", n) for n in range(8)]
+    granted = allocate(
+        SEED,
+        {"interactive": 3},
+        {"background": Endless("background"), "interactive": Endless("interactive")},
+        arrival,
+    )
+    assert granted == [("interactive", n) for n in range(5)]
 
 
 # -- has_room, formula by formula ------------------------------------------------------------

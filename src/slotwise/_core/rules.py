@@ -11,7 +11,7 @@ beyond it, so a reserved slot is never lent: other workloads can only ever take 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -88,7 +88,7 @@ _EMPTY: Any = object()
 def allocate(
     rules: Rules,
     active: Mapping[str, int],
-    queues: Mapping[str, Iterable[E]],
+    queues: Mapping[str, Collection[E]],
     order: Callable[[E], Any],
     *,
     bank: Bank | None = None,
@@ -101,8 +101,9 @@ def allocate(
     Args:
         rules: The limits.
         active: Active (valid) slots per workload. Not modified.
-        queues: Each workload's waiting requests in arrival order. Only the heads that are
-            granted are read, so a long queue costs nothing.
+        queues: Each workload's waiting requests in arrival order, each a collection that
+            can be iterated more than once. Only the heads that are granted are read, so a
+            long queue costs nothing.
         order: The waiting-time key of a request: a smaller key has waited longer. Among
             workloads of equal priority the head with the smallest key goes first.
         bank: The rate buckets, refilled to now; the costs of the granted requests are taken

@@ -16,7 +16,7 @@ import math
 import secrets
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol, TypeVar
 
 import attrs
@@ -744,7 +744,7 @@ def paced_wake(refill_at: float, paused_until: float, now: float) -> float:
 def allocate_paced(
     rules: Rules,
     active: Mapping[str, int],
-    queues: Mapping[str, Iterable[E]],
+    queues: Mapping[str, Collection[E]],
     order: Callable[[E], Any],
     *,
     now: float,
