@@ -410,6 +410,58 @@ async def test_a_sequential_call_waits_its_turn_in_the_batch_not_before_a_call_c
     assert set(queued) == {0}
 
 
+@on_mock_clock()
+async def test_a_call_waiting_in_the_batch_is_refused_when_its_pools_max_wait_ends() -> None:
+    box = box_of(max_concurrent=2, default=Workload(), search=Workload(max_wait=1.0))
+    activity = Activity()
+    counted(box, activity, "read", pool="default", hold=10.0)
+    counted(box, activity, "search", pool="search", hold=1.0)
+    refused_at = []
+
+    def record(event: slotwise.ConcurrencyEvent) -> None:
+        if isinstance(event, ToolRejectedEvent):
+            refused_at.append((event.call_id, anyio.current_time()))
+
+    unsubscribe = slotwise.subscribe(record, limiter=box.limiter)
+    try:
+        results = await box.run(calls("read", "read", "search"))
+    finally:
+        unsubscribe()
+    # The two reads fill the limiter for 10 s; the search waits in the batch and is refused
+    # when its 1 s is up, not when a read ends.
+    assert [(r.error, r.wait_time) for r in results] == [
+        (None, 0.0),
+        (None, 0.0),
+        ("concurrency-limit", 1.0),
+    ]
+    assert refused_at == [("c2", 1.0)]
+
+
+@on_mock_clock()
+async def test_a_sequential_call_waiting_in_the_batch_past_its_max_wait_does_not_stall_the_chain() -> (
+    None
+):
+    box = box_of(
+        max_concurrent=2,
+        search=Workload(max_concurrent=1, max_wait=1.0),
+        notes=Workload(max_concurrent=1),
+    )
+    activity = Activity()
+    counted(box, activity, "crawl", pool="search", hold=10.0)
+    counted(box, activity, "lookup", pool="search", hold=1.0, sequential=True)
+    counted(box, activity, "write", pool="notes", hold=1.0, sequential=True)
+    started = anyio.current_time()
+    results = await box.run(calls("crawl", "lookup", "write"))
+    # c1 waits in the batch behind c0 (its pool holds one); refused at 1 s, the chain goes on.
+    assert [(r.error, r.wait_time) for r in results] == [
+        (None, 0.0),
+        ("concurrency-limit", 1.0),
+        (None, 0.0),
+    ]
+    assert activity.entered == ["c0", "c2"]
+    assert anyio.current_time() - started == 10.0
+
+
 async def test_a_sequential_call_of_a_fail_fast_pool_without_room_is_refused_and_the_chain_goes_on() -> (
     None
 ):
@@ -483,9 +535,9 @@ async def test_a_call_waits_up_to_its_pools_max_wait_from_the_start_of_the_batch
     counted(box, activity, "search", pool="search", hold=4.0)
     results = await box.run(calls("search", "search", "search", "search"))
     # Each search holds the only slot 4 s; a call may wait 10 s from the batch's start. The
-    # last one's turn comes at 12 s, too late: it is refused without asking for a slot.
+    # last one's turn would come at 12 s: it is refused at 10 s, without asking for a slot.
     assert [r.error for r in results] == [None, None, None, "concurrency-limit"]
-    assert [round(r.wait_time) for r in results] == [0, 4, 8, 12]
+    assert [round(r.wait_time) for r in results] == [0, 4, 8, 10]
     assert activity.entered == ["c0", "c1", "c2"]
 
 

@@ -479,10 +479,12 @@ class _Batch:
         "box",
         "calls",
         "group",
+        "idle",
         "in_run",
         "limiter",
         "limiter_name",
         "lineage",
+        "live",
         "now",
         "pending",
         "results",
@@ -517,6 +519,8 @@ class _Batch:
         self.bounds: dict[str, float] = {}  # when a pool's calls stop waiting, by pool
         self.group: TaskGroup | None = None
         self.turn: _Turn | None = None  # the chain's call whose turn has come
+        self.live = 0  # workers running calls
+        self.idle: anyio.Event | None = None  # set when none is left, for `_expire`
 
     async def run(self) -> list[ToolResult]:
         self.started = self.now()
@@ -537,13 +541,16 @@ class _Batch:
         workers = len(first) - (turn is not None and turn.at_once) + (turn is not None)
         try:
             if workers == 1 and not self.pending:
+                self.live = 1
                 kept = self._start(first, True, keep=True)
                 await (self._chain(chain) if kept is None else self._work(kept, True))
             elif workers:
                 async with anyio.create_task_group() as self.group:
                     self._start(first, True)
                     if turn is not None:
+                        self.live += 1
                         self.group.start_soon(self._chain, chain)
+                    await self._expire()
         except BaseException:
             self._abandon(admitted)
             raise
@@ -687,6 +694,7 @@ class _Batch:
                 kept = i
             else:
                 assert self.group is not None
+                self.live += 1
                 self.group.start_soon(self._work, i, first)
         return kept
 
@@ -707,42 +715,87 @@ class _Batch:
                 break
             if _limits(self.limiter, pool)[1] != 0:
                 break
-            self.turn = None
-            queue.remove(i)
-            if not queue:
-                del self.pending[pool]
-            self.taken[i] = True
-            self._reject(i, "concurrency-limit", self._busy(i))
+            self._refuse_turn(i, self.turn.since)
         return started
+
+    def _refuse_turn(self, i: int, since: float) -> None:
+        """The chain's call ``i`` waited in the batch as long as its pool allows: refused."""
+        pool = self._pool_of(i)
+        queue = self.pending[pool]
+        queue.remove(i)
+        if not queue:
+            del self.pending[pool]
+        self.turn = None
+        self.taken[i] = True
+        self._reject(i, "concurrency-limit", self._busy(i), waited=self.now() - since)
+
+    async def _expire(self) -> None:
+        """Refuse the calls still waiting in the batch when their pool's `max_wait` (from
+        the start of the batch) runs out, until the workers are done."""
+        expiring = sorted((bound, pool) for pool, bound in self.bounds.items())
+        if not any(pool in self.pending for _, pool in expiring):
+            return
+        self.idle = anyio.Event()
+        if not self.live:
+            return
+        for bound, pool in expiring:
+            with anyio.move_on_at(bound):
+                await self.idle.wait()
+            if self.idle.is_set():
+                return
+            turn = None if self.turn is None else self.turn.call  # the chain's: its own
+            for i in self.pending.pop(pool, ()):
+                if i == turn:
+                    self.pending[pool] = deque([i])
+                else:
+                    self.taken[i] = True
+                    self._reject(i, "concurrency-limit", self._busy(i), waited=bound - self.started)
+
+    def _retire(self) -> None:
+        """A worker is done."""
+        self.live -= 1
+        if not self.live and self.idle is not None:
+            self.idle.set()
 
     # -- running calls --------------------------------------------------------------------
 
     async def _work(self, i: int | None, first: bool) -> None:
         """Run call ``i``, then each call that the end of the previous one lets start."""
-        while i is not None:
-            pool = self._pool_of(i)
-            self.taken[i] = True
-            await self._call(i, self.started, None if first else self.bounds.get(pool))
-            self._count(pool, -1)
-            i, first = self._start(self._next(), keep=True), False
+        try:
+            while i is not None:
+                pool = self._pool_of(i)
+                self.taken[i] = True
+                await self._call(i, self.started, None if first else self.bounds.get(pool))
+                self._count(pool, -1)
+                i, first = self._start(self._next(), keep=True), False
+        finally:
+            self._retire()
 
     async def _chain(self, chain: deque[int]) -> None:
         """Run the sequential calls one at a time, in the order given: each waits from its
         turn, at most its pool's `max_wait`."""
-        while self.turn is not None:
-            turn = self.turn
-            i = turn.call
-            pool = self._pool_of(i)
-            bound = None
-            if not turn.at_once:
-                await turn.started.wait()
-                max_wait = _limits(self.limiter, pool)[1]
-                bound = None if max_wait is None else turn.since + max_wait
-            self.turn = None
-            self.taken[i] = True
-            await self._call(i, turn.since, bound)
-            self._count(pool, -1)
-            self._start(self._turns(chain) if chain else self._next())
+        try:
+            while self.turn is not None:
+                turn = self.turn
+                i = turn.call
+                pool = self._pool_of(i)
+                bound = None
+                if not turn.at_once:
+                    max_wait = _limits(self.limiter, pool)[1]
+                    bound = None if max_wait is None else turn.since + max_wait
+                    with anyio.move_on_at(math.inf if bound is None else bound):
+                        await turn.started.wait()
+                    if not turn.started.is_set():
+                        self._refuse_turn(i, turn.since)
+                        self._start(self._turns(chain) if chain else self._next())
+                        continue
+                self.turn = None
+                self.taken[i] = True
+                await self._call(i, turn.since, bound)
+                self._count(pool, -1)
+                self._start(self._turns(chain) if chain else self._next())
+        finally:
+            self._retire()
 
     async def _call(self, i: int, since: float, bound: float | None) -> None:
         """Run call ``i``: wait for its slot (until ``bound`` at most, besides the limiter's
