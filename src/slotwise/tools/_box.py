@@ -611,7 +611,8 @@ class _Batch:
         applied to the batch's calls, in the model's order. The rest wait in the batch, not
         in the limiter's queue: a batch of a thousand calls never puts a thousand requests
         there, nor a request behind its own. A call that starts later has waited since the
-        batch started: it waits only what is left of its pool's `max_wait`. A fail-fast
+        batch started: it waits only what is left of its pool's `max_wait`, and one still
+        waiting in the batch when that runs out is refused then (`_expire`). A fail-fast
         pool's calls that cannot start at once are refused at once. The chain of sequential
         calls joins in one call at a time: its next call waits among the others from its
         turn on.
