@@ -389,6 +389,7 @@ class ToolBox(Generic[W]):
 
 
 _is_async: Callable[[object], bool] = inspect.iscoroutinefunction
+_is_str: Callable[[object], bool] = str.__instancecheck__  # isinstance(x, str), for map()
 _to_json = json.JSONEncoder(ensure_ascii=False).encode
 
 
@@ -487,6 +488,7 @@ class _Batch:
         "live",
         "now",
         "pending",
+        "pools",
         "results",
         "rules",
         "running",
@@ -506,6 +508,7 @@ class _Batch:
         self.lineage = (run.run_id, run.root_run_id, run.parent_run_id)
         self.results: list[ToolResult | None] = [None] * len(calls)
         self.tools: list[Tool | None] = [None] * len(calls)
+        self.pools = [""] * len(calls)  # each call's pool, once its tool is known
         self.arguments: list[dict[str, Any]] = [{}] * len(calls)
         self.taken = [False] * len(calls)
         self.now = _clock()
@@ -575,6 +578,7 @@ class _Batch:
             self._reject(i, "unknown-tool", f"Unknown tool {call.name!r}. The tools are: {known}.")
             return False
         self.tools[i] = tool
+        self.pools[i] = tool.pool
         arguments: Any = call.arguments
         problem = None
         if isinstance(arguments, str):
@@ -583,7 +587,7 @@ class _Batch:
             except json.JSONDecodeError as exc:
                 problem = f"they are not valid JSON ({exc.msg} at character {exc.pos})"
         if problem is None and not (
-            isinstance(arguments, Mapping) and all(isinstance(key, str) for key in arguments)
+            isinstance(arguments, dict | Mapping) and all(map(_is_str, arguments))
         ):
             problem = "they must be a JSON object"
         if problem is None:
@@ -626,7 +630,7 @@ class _Batch:
                 chain.append(i)
             else:
                 pending.setdefault(tool.pool, deque()).append(i)
-        pools = {*pending, *(self._pool_of(i) for i in chain)}
+        pools = {*pending, *(self.pools[i] for i in chain)}
         self.rules = self.box._limits_of(pools, len(admitted))
         first = self._turns(chain) if chain else self._next()
         for pool, queue in list(pending.items()):
@@ -644,11 +648,6 @@ class _Batch:
             elif max_wait is not None:
                 self.bounds[pool] = self.started + max_wait
         return first, chain
-
-    def _pool_of(self, i: int) -> str:
-        tool = self.tools[i]
-        assert tool is not None
-        return tool.pool
 
     def _count(self, pool: str, change: int) -> None:
         """Count a call of ``pool`` started (1) or ended (-1), as the limiter counts slots."""
@@ -676,7 +675,7 @@ class _Batch:
             # asks anyway, and the limiter answers it, as it would answer anyone.
             started = [min(queue[0] for queue in pending.values())]
         for i in started:
-            pool = self._pool_of(i)
+            pool = self.pools[i]
             queue = pending[pool]
             queue.popleft()  # the calls started are heads, in their queues' order
             if not queue:
@@ -706,7 +705,7 @@ class _Batch:
         started: list[int] = []
         while chain:
             i = chain.popleft()
-            pool = self._pool_of(i)
+            pool = self.pools[i]
             queue = self.pending.setdefault(pool, deque())
             bisect.insort(queue, i)
             self.turn = _Turn(i, self.now())
@@ -721,7 +720,7 @@ class _Batch:
 
     def _refuse_turn(self, i: int, since: float) -> None:
         """The chain's call ``i`` waited in the batch as long as its pool allows: refused."""
-        pool = self._pool_of(i)
+        pool = self.pools[i]
         queue = self.pending[pool]
         queue.remove(i)
         if not queue:
@@ -764,7 +763,7 @@ class _Batch:
         """Run call ``i``, then each call that the end of the previous one lets start."""
         try:
             while i is not None:
-                pool = self._pool_of(i)
+                pool = self.pools[i]
                 self.taken[i] = True
                 await self._call(i, self.started, None if first else self.bounds.get(pool))
                 self._count(pool, -1)
@@ -779,7 +778,7 @@ class _Batch:
             while self.turn is not None:
                 turn = self.turn
                 i = turn.call
-                pool = self._pool_of(i)
+                pool = self.pools[i]
                 bound = None
                 if not turn.at_once:
                     max_wait = _limits(self.limiter, pool)[1]
