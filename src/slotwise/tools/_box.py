@@ -649,18 +649,12 @@ class _Batch:
                 self.bounds[pool] = self.started + max_wait
         return first, chain
 
-    def _count(self, pool: str, change: int) -> None:
-        """Count a call of ``pool`` started (1) or ended (-1), as the limiter counts slots."""
-        held = self.running.get(pool, 0)
-        reserved = self.rules.workloads[pool].reserved
-        if change > 0:
-            if held >= reserved:
-                self.shared_used += 1
-            self.running[pool] = held + 1
-        else:
-            self.running[pool] = held - 1
-            if held - 1 >= reserved:
-                self.shared_used -= 1
+    def _ended(self, pool: str) -> None:
+        """A call of ``pool`` ended: uncount it, as the limiter uncounts a released slot."""
+        held = self.running[pool] - 1
+        self.running[pool] = held
+        if held >= self.rules.workloads[pool].reserved:
+            self.shared_used -= 1
 
     def _next(self) -> list[int]:
         """The waiting calls that start now (counted), in the order they start."""
@@ -674,13 +668,18 @@ class _Batch:
             # without a reservation where reservations take every slot): its first call
             # asks anyway, and the limiter answers it, as it would answer anyone.
             started = [min(queue[0] for queue in pending.values())]
+        running = self.running
+        workloads = self.rules.workloads
         for i in started:
             pool = self.pools[i]
             queue = pending[pool]
             queue.popleft()  # the calls started are heads, in their queues' order
             if not queue:
                 del pending[pool]
-            self._count(pool, 1)
+            held = running.get(pool, 0)  # counted, as the limiter counts a grant
+            if held >= workloads[pool].reserved:
+                self.shared_used += 1
+            running[pool] = held + 1
         return started
 
     def _start(self, indices: list[int], first: bool = False, keep: bool = False) -> int | None:
@@ -766,7 +765,7 @@ class _Batch:
                 pool = self.pools[i]
                 self.taken[i] = True
                 await self._call(i, self.started, None if first else self.bounds.get(pool))
-                self._count(pool, -1)
+                self._ended(pool)
                 i, first = self._start(self._next(), keep=True), False
         finally:
             self._retire()
@@ -792,7 +791,7 @@ class _Batch:
                 self.turn = None
                 self.taken[i] = True
                 await self._call(i, turn.since, bound)
-                self._count(pool, -1)
+                self._ended(pool)
                 self._start(self._turns(chain) if chain else self._next())
         finally:
             self._retire()
