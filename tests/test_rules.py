@@ -10,6 +10,8 @@ import sys
 from collections.abc import Iterator, Mapping
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from slotwise._core.rules import Rules, WorkloadRule, allocate, has_room, shared_in_use
 
@@ -236,3 +238,62 @@ def test_every_slot_reserved_means_no_sharing() -> None:
         ("a", 1),
         ("b", 9),
     ]
+
+
+# -- allocate against its definition, on random cases ----------------------------------------
+
+
+def by_definition(
+    limits: Rules, active: Mapping[str, int], queues: Mapping[str, list[tuple[str, int]]]
+) -> list[tuple[str, int]]:
+    """The module's rule, step by step: while a workload with waiters has room, grant the head
+    of the one with the highest priority (a tie: the head that has waited longest)."""
+    counts = dict(active)
+    waiting = {name: list(queue) for name, queue in queues.items()}
+    granted = []
+    while True:
+        with_room = [n for n, q in waiting.items() if q and has_room(limits, counts, n)]
+        if not with_room:
+            return granted
+        best = max(with_room, key=lambda n: (limits.workloads[n].priority, -waiting[n][0][1]))
+        granted.append(waiting[best].pop(0))
+        counts[best] = counts.get(best, 0) + 1
+
+
+@st.composite
+def cases(
+    draw: st.DrawFn,
+) -> tuple[Rules, dict[str, int], dict[str, list[tuple[str, int]]]]:
+    total = draw(st.integers(1, 8))
+    names = ["a", "b", "c", "d"][: draw(st.integers(1, 4))]
+    workloads = {}
+    for name in names:
+        ceiling = draw(st.integers(1, total))
+        reserved = draw(st.integers(0, ceiling)) if draw(st.booleans()) else 0
+        workloads[name] = WorkloadRule(
+            ceiling=ceiling, reserved=reserved, priority=draw(st.integers(0, 2))
+        )
+    assume(sum(rule.reserved for rule in workloads.values()) <= total)
+    limits = Rules(max_concurrent=total, workloads=workloads)
+    active = {name: draw(st.integers(0, rule.ceiling)) for name, rule in workloads.items()}
+    assume(shared_in_use(limits, active) <= limits.shared)
+    arrivals = draw(st.permutations(range(12)))[: draw(st.integers(0, 12))]
+    queues: dict[str, list[tuple[str, int]]] = {}
+    for n in arrivals:
+        name = draw(st.sampled_from(names))
+        queues.setdefault(name, []).append((name, n))
+    for queue in queues.values():
+        queue.sort(key=arrival)  # each workload's queue in arrival order
+    return limits, active, queues
+
+
+@settings(max_examples=500, deadline=None)
+@given(cases())
+def test_allocate_grants_what_its_definition_grants(
+    case: tuple[Rules, dict[str, int], dict[str, list[tuple[str, int]]]],
+) -> None:
+    limits, active, queues = case
+    expected = by_definition(limits, active, queues)
+    assert allocate(limits, active, queues, arrival) == expected
+    shared = shared_in_use(limits, active)
+    assert allocate(limits, active, queues, arrival, shared_used=shared) == expected

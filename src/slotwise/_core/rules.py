@@ -147,6 +147,10 @@ def allocate(
     unreserved = rules.shared == rules.max_concurrent
     if unreserved and shared_used >= rules.shared:
         return []
+    workloads = rules.workloads
+    if unreserved and not rated and shared_used == rules.shared - 1:
+        # One slot left and no reservations (a slot released under a full limiter).
+        return _best_head(workloads, queues, active, order)
     counts = dict(active)
     heads: dict[str, E] = {}
     keys: dict[str, Any] = {}  # each head's order(), asked once
@@ -156,7 +160,6 @@ def allocate(
             keys[name] = order(head)
             break
     cursors: dict[str, Iterator[E]] = {}  # past the heads granted, made when first needed
-    workloads = rules.workloads
     claimed: set[str] = set()
     grants: list[E] = []
     while heads:
@@ -214,3 +217,30 @@ def allocate(
             heads[best] = following
             keys[best] = order(following)
     return grants
+
+
+def _best_head(
+    workloads: Mapping[str, WorkloadRule],
+    queues: Mapping[str, Collection[E]],
+    active: Mapping[str, int],
+    order: Callable[[E], Any],
+) -> list[E]:
+    """The one grant of allocate() when one slot is left and nothing is reserved: the head
+    with room of the highest priority, then first in order(), found in one pass."""
+    best: list[E] = []
+    best_priority = 0
+    best_key: Any = None
+    for name, queue in queues.items():
+        rule = workloads[name]
+        if active.get(name, 0) >= rule.ceiling:
+            continue
+        for head in queue:
+            key = order(head)
+            if (
+                not best
+                or rule.priority > best_priority
+                or (rule.priority == best_priority and key < best_key)
+            ):
+                best, best_priority, best_key = [head], rule.priority, key
+            break
+    return best
