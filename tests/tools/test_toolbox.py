@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import sys
 import types
@@ -229,6 +230,9 @@ async def test_what_a_handler_returns_becomes_the_content() -> None:
         "data": {"ünïcode": [1, 2.5, None, True]},
         "nothing": None,
         "opaque": object(),
+        "count": 42,
+        "flag": False,
+        "level": enum.IntEnum("Level", "low high").high,
     }
 
     @box.tool
@@ -241,6 +245,7 @@ async def test_what_a_handler_returns_becomes_the_content() -> None:
     assert results[2].content == "null"
     assert (results[3].error, results[3].effect) == ("failed", "done")
     assert "returned a object, which is not JSON" in results[3].content
+    assert [r.content for r in results[4:]] == ["42", "false", "2"]
 
 
 # -- sequential tools -----------------------------------------------------------------------------

@@ -916,7 +916,12 @@ class _Batch:
             )
             return
         try:
-            content = value if isinstance(value, str) else _to_json(value)
+            if isinstance(value, str):
+                content = value
+            elif type(value) is int:  # a count or an id: its JSON is its digits
+                content = str(value)
+            else:
+                content = _to_json(value)
         except (TypeError, ValueError) as exc:
             self._finished(i, held, waited, duration, "failed", "done", type(exc).__name__)
             self._set(
