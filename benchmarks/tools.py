@@ -130,25 +130,27 @@ def stacked(backend: str) -> Callable[[list[ToolCall]], Awaitable[list[Any]]]:
 
 
 async def _per_call(
-    run_batch: Callable[[list[ToolCall]], Awaitable[list[Any]]], size: Size
-) -> float:
+    run_batches: list[Callable[[list[ToolCall]], Awaitable[list[Any]]]], size: Size
+) -> list[float]:
+    """The best cost per call of each way of running the batch. The ways take their samples
+    in turn, so that a slower spell of the machine falls on all of them, not on one."""
     calls = batch(min(CALLS, size.cycles))
-    results = await run_batch(calls)  # warm up, and check that every call ran
-    assert len(results) == len(calls)
-    samples = []
+    for run_batch in run_batches:
+        results = await run_batch(calls)  # warm up, and check that every call ran
+        assert len(results) == len(calls)
+    samples: list[list[float]] = [[] for _ in run_batches]
     for _ in range(size.repeats * 2):
-        with no_gc():
-            start = clock()
-            await run_batch(calls)
-            samples.append((clock() - start) / len(calls))
-    return best(samples)
+        for run_batch, taken in zip(run_batches, samples, strict=True):
+            with no_gc():
+                start = clock()
+                await run_batch(calls)
+                taken.append((clock() - start) / len(calls))
+    return [best(taken) for taken in samples]
 
 
 async def _measure(backend: str, size: Size) -> list[Row]:
     box = toolbox()
-    mine = await _per_call(box.run, size)
-    floor = await _per_call(slots_only(box), size)
-    theirs = await _per_call(stacked(backend), size)
+    mine, floor, theirs = await _per_call([box.run, slots_only(box), stacked(backend)], size)
     ratio = mine / theirs
     n = min(CALLS, size.cycles)
     common = {"section": SECTION, "backend": backend, "n": n, "unit": "us/call"}
