@@ -284,6 +284,9 @@ def cases(
         queues.setdefault(name, []).append((name, n))
     for queue in queues.values():
         queue.sort(key=arrival)  # each workload's queue in arrival order
+    for name in names:  # some workloads with nobody waiting, given as empty queues
+        if draw(st.booleans()):
+            queues.setdefault(name, [])
     return limits, active, queues
 
 

@@ -231,16 +231,15 @@ def _best_head(
     best_priority = 0
     best_key: Any = None
     for name, queue in queues.items():
-        rule = workloads[name]
-        if active.get(name, 0) >= rule.ceiling:
-            continue
         for head in queue:
-            key = order(head)
-            if (
-                not best
-                or rule.priority > best_priority
-                or (rule.priority == best_priority and key < best_key)
-            ):
-                best, best_priority, best_key = [head], rule.priority, key
+            rule = workloads[name]
+            if active.get(name, 0) < rule.ceiling:
+                key = order(head)
+                if (
+                    not best
+                    or rule.priority > best_priority
+                    or (rule.priority == best_priority and key < best_key)
+                ):
+                    best, best_priority, best_key = [head], rule.priority, key
             break
     return best
