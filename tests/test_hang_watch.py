@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -47,8 +48,15 @@ def test_a_test_that_hangs_ends_the_run_saying_where_it_waits(tmp_path: Path) ->
     assert result.returncode == 1, result.stderr
     assert "test_case.py::test_hangs still runs after 1 s: it hangs" in result.stderr
     assert "in test_hangs" in result.stderr  # the thread's stack
-    chain = result.stderr.split("waits_for_ever", 1)[1]
-    assert "wait" in chain.splitlines()[1]  # the task's chain goes on into Event.wait()
+    # The waiting task's chain: its coroutine, then the one it awaits (Event.wait).
+    lines = result.stderr.splitlines()
+    at = [
+        i
+        for i, line in enumerate(lines)
+        if re.fullmatch(r"\s+\S+test_case\.py:\d+ waits_for_ever", line)
+    ]
+    assert len(at) == 1, result.stderr
+    assert re.fullmatch(r"\s+\S+locks\.py:\d+ wait", lines[at[0] + 1]), result.stderr
     assert "test_never_reached" not in result.stdout
 
 
