@@ -1,8 +1,8 @@
 """A pytest plugin: a test still running after ``SLOTWISE_HANG_AFTER`` seconds (default 600: no
 test comes near it) has hung. Every thread's stack and every open asyncio loop's tasks, each
 with the chain of coroutines it awaits, are written to stderr, and the run ends (exit status
-1, the test's output lost) instead of waiting for the CI's own time limit with nothing to show. (trio's tasks
-are not listed: the stack of the thread that runs trio is.)
+1, the test's output lost) instead of waiting for the CI's own time limit with nothing to
+show. (trio's tasks are not listed: the stack of the thread that runs trio is.)
 
 tests/conftest.py enables it for the test suite; ``-p hang_watch`` anywhere else.
 """
@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import pytest
 
 HANG_AFTER = float(os.environ.get("SLOTWISE_HANG_AFTER", "600"))
-_current: dict[str, Any] = {}  # the test running, since when, and where to write
+_current: dict[str, Any] = {}  # the test running, and since when
 
 
 def await_chain(task: asyncio.Task[Any]) -> list[str]:
