@@ -769,6 +769,55 @@ def test_one_event_loop_after_another(tagged_dsn: str, schema: str) -> None:
     asyncio.run(close())
 
 
+# A script whose event loop ends, without aclose(), while the limiter's pool is still opening a
+# connection: the first connection is made at once and serves the slot; every later one (the
+# pool grows when the first transaction finds it empty) takes 30 s.
+_ENDS_WHILE_CONNECTING = """
+import asyncio, sys
+import psycopg
+from slotwise.postgres import PostgresLimiter
+
+connect = psycopg.AsyncConnection.connect.__func__
+begun = 0
+
+async def slow_after_the_first(cls, *args, **kwargs):
+    global begun
+    begun += 1
+    if begun > 1:
+        await asyncio.sleep(30)
+    return await connect(cls, *args, **kwargs)
+
+psycopg.AsyncConnection.connect = classmethod(slow_after_the_first)
+limiter = PostgresLimiter(sys.argv[1], schema=sys.argv[2], max_concurrent=1)
+
+async def use():
+    async with limiter.slot():
+        pass
+    print("connections begun:", begun, flush=True)
+
+asyncio.run(use())
+print("asyncio.run() returned", flush=True)
+"""
+
+
+def test_an_event_loop_ends_while_the_pool_opens_a_connection(tagged_dsn: str, schema: str) -> None:
+    # psycopg_pool swallows the cancellation of a pool worker that is opening a connection
+    # (it catches CancelledError there): when asyncio.run() cancelled the tasks left at its
+    # end, that worker went back to wait for work and asyncio.run() never returned. The
+    # limiter now closes its own pool when its loop ends, which stops every worker.
+    script = subprocess.run(
+        [sys.executable, "-c", _ENDS_WHILE_CONNECTING, tagged_dsn, schema],
+        capture_output=True,
+        text=True,
+        timeout=25,  # less than the slow connection: a hang fails here
+    )
+    assert script.returncode == 0, script.stderr
+    lines = script.stdout.splitlines()
+    begun = int(lines[0].rpartition(" ")[2])
+    assert begun >= 2, script.stdout  # the pool did grow: the case the test is about
+    assert lines[-1] == "asyncio.run() returned"
+
+
 async def test_aclose_with_requests_waiting_leaves_nothing_running(make: Any) -> None:
     limiter = make(max_concurrent=1)
     held = await limiter.acquire(request())

@@ -159,6 +159,7 @@ class PostgresLimiter(Coordinator[W]):
         "_closing",
         "_loop",
         "_owns_pool",
+        "_pool_guard",
         "_start_lock",
         "_started",
         "_unsucceeded",
@@ -300,6 +301,7 @@ class PostgresLimiter(Coordinator[W]):
         self._sending: dict[str, Release] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # transactions running (see _run)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
+        self._pool_guard: asyncio.Task[None] | None = None  # see _close_at_loop_end
         self._poller: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
         self._listening: Conn | None = None  # the listener's connection, while it has one
@@ -372,7 +374,7 @@ class PostgresLimiter(Coordinator[W]):
         """Drop what lived on an event loop that has ended (its tasks ended with it)."""
         self._started = False
         self._loop = self._start_lock = None
-        self._poller = self._listener = self._flusher = None
+        self._poller = self._listener = self._flusher = self._pool_guard = None
         self._kick = self._rounds = self._flush_kick = self._applying = None
         self._listening = None
         self._wake_at = math.inf
@@ -425,6 +427,9 @@ class PostgresLimiter(Coordinator[W]):
                         await self._pool.close()
                 raise
             self._started = True
+            if self._owns_pool:
+                guard = _close_at_loop_end(self._pool)
+                self._pool_guard = asyncio.get_running_loop().create_task(guard)
 
     async def aclose(self) -> None:
         """Stop the poller and the listener, and close the pool if the limiter made it."""
@@ -491,6 +496,9 @@ class PostgresLimiter(Coordinator[W]):
         if self._owns_pool:
             with anyio.CancelScope(shield=True):
                 await self._pool.close()
+        if self._pool_guard is not None:
+            self._pool_guard.cancel()  # the pool it guards is closed
+            self._pool_guard = None
         self._loop = self._start_lock = None
         # A new identity for the next start: anything of this one left behind is a dead
         # process's, passed over at once.
@@ -818,6 +826,23 @@ def _own_pool(conninfo: str) -> AsyncConnectionPool[Any]:
         kwargs={"autocommit": True},
         reconnect_timeout=_RECONNECT,
     )
+
+
+async def _close_at_loop_end(pool: AsyncConnectionPool[Any]) -> None:
+    """Close the limiter's own pool if its event loop ends with the pool open.
+
+    ``asyncio.run()`` returning without `aclose()` cancels every task left, the pool's
+    workers among them; a psycopg_pool worker cancelled while it opens a connection (the
+    pool growing) swallows the cancellation and waits for its next job forever, and
+    ``asyncio.run()`` never returns. Cancelled with them, this task closes the pool, which
+    stops every worker.
+    """
+    try:
+        await asyncio.get_running_loop().create_future()  # as long as the loop runs
+    except asyncio.CancelledError:
+        if not pool.closed:
+            await pool.close()
+        raise
 
 
 def _require_asyncio() -> None:
