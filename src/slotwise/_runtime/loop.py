@@ -371,7 +371,10 @@ def current() -> Loop | None:
             lowlevel = getattr(sys.modules.get("trio"), "lowlevel", None)
             if lowlevel is not None and lowlevel.in_trio_run():
                 return TrioLoop(lowlevel.current_trio_token())
-    runner = None if context is None else getattr(context, "runner", None)
+    # Its per-thread dict, as trio clears it, not getattr(): in a thread that runs no trio
+    # (every asyncio loop once trio is imported), getattr() raises and catches an
+    # AttributeError, ten times the cost of the lookup.
+    runner = None if context is None else context.__dict__.get("runner")
     if runner is not None:
         if cache.key is not runner:
             cache.loop = TrioLoop(sys.modules["trio"].lowlevel.current_trio_token())
