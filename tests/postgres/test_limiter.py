@@ -788,11 +788,19 @@ async def slow_after_the_first(cls, *args, **kwargs):
     return await connect(cls, *args, **kwargs)
 
 psycopg.AsyncConnection.connect = classmethod(slow_after_the_first)
-limiter = PostgresLimiter(sys.argv[1], schema=sys.argv[2], max_concurrent=1)
+limiter = PostgresLimiter(sys.argv[1], name="claude", schema=sys.argv[2], max_concurrent=1)
+
+async def hold():
+    async with limiter.slot():
+        await asyncio.sleep(3600)
 
 async def use():
     async with limiter.slot():
         pass
+    if sys.argv[3] == "hold":  # a task still holds a slot when the loop ends
+        asyncio.get_running_loop().create_task(hold())
+        while not (await limiter.stats()).active:
+            await asyncio.sleep(0.01)
     print("connections begun:", begun, flush=True)
 
 asyncio.run(use())
@@ -800,13 +808,9 @@ print("asyncio.run() returned", flush=True)
 """
 
 
-def test_an_event_loop_ends_while_the_pool_opens_a_connection(tagged_dsn: str, schema: str) -> None:
-    # psycopg_pool swallows the cancellation of a pool worker that is opening a connection
-    # (it catches CancelledError there): when asyncio.run() cancelled the tasks left at its
-    # end, that worker went back to wait for work and asyncio.run() never returned. The
-    # limiter now closes its own pool when its loop ends, which stops every worker.
+def _end_while_connecting(dsn: str, schema: str, mode: str) -> None:
     script = subprocess.run(
-        [sys.executable, "-c", _ENDS_WHILE_CONNECTING, tagged_dsn, schema],
+        [sys.executable, "-c", _ENDS_WHILE_CONNECTING, dsn, schema, mode],
         capture_output=True,
         text=True,
         timeout=25,  # less than the slow connection: a hang fails here
@@ -816,6 +820,28 @@ def test_an_event_loop_ends_while_the_pool_opens_a_connection(tagged_dsn: str, s
     begun = int(lines[0].rpartition(" ")[2])
     assert begun >= 2, script.stdout  # the pool did grow: the case the test is about
     assert lines[-1] == "asyncio.run() returned"
+    assert "failed" not in script.stderr, script.stderr  # a release that did not go through
+
+
+def test_an_event_loop_ends_while_the_pool_opens_a_connection(tagged_dsn: str, schema: str) -> None:
+    # psycopg_pool swallows the cancellation of a pool worker that is opening a connection
+    # (it catches CancelledError there): when asyncio.run() cancelled the tasks left at its
+    # end, that worker went back to wait for work and asyncio.run() never returned. The
+    # limiter now closes its own pool when its loop ends, which stops every worker.
+    _end_while_connecting(tagged_dsn, schema, "return")
+
+
+async def test_a_slot_held_when_the_event_loop_ends_is_released(
+    tagged_dsn: str, schema: str, make: Any
+) -> None:
+    # The task holding it is cancelled with the loop: its release goes through the pool,
+    # which the limiter closes only once the other tasks have ended.
+    await anyio.to_thread.run_sync(_end_while_connecting, tagged_dsn, schema, "hold")
+    other = make(max_concurrent=1)
+    assert (await other.stats()).active == 0
+    with anyio.fail_after(5):  # not after the lease's 30 s
+        async with other.slot():
+            pass
 
 
 async def test_aclose_with_requests_waiting_leaves_nothing_running(make: Any) -> None:
@@ -838,7 +864,9 @@ async def test_aclose_with_requests_waiting_leaves_nothing_running(make: Any) ->
     # Nothing of the limiter runs on after aclose(): no poller, no listener, no transaction.
     await anyio.sleep(0.2)
     names = {task.get_coro().__qualname__ for task in asyncio.all_tasks()}  # type: ignore[union-attr]
-    assert not any(name.startswith("PostgresLimiter.") for name in names), names
+    assert not any(
+        name.startswith("PostgresLimiter.") or name == "_close_at_loop_end" for name in names
+    ), names
     # The closed requests left the queue with it: the slot freed next is not lost to one.
     assert (await limiter.stats()).queued == 0
     await limiter.release(held)

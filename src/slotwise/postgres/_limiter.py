@@ -428,7 +428,7 @@ class PostgresLimiter(Coordinator[W]):
                 raise
             self._started = True
             if self._owns_pool:
-                guard = _close_at_loop_end(self._pool)
+                guard = _close_at_loop_end(self._pool, 3 * self.db_timeout)
                 self._pool_guard = asyncio.get_running_loop().create_task(guard)
 
     async def aclose(self) -> None:
@@ -496,9 +496,11 @@ class PostgresLimiter(Coordinator[W]):
         if self._owns_pool:
             with anyio.CancelScope(shield=True):
                 await self._pool.close()
-        if self._pool_guard is not None:
-            self._pool_guard.cancel()  # the pool it guards is closed
-            self._pool_guard = None
+        guard, self._pool_guard = self._pool_guard, None
+        if guard is not None:
+            guard.cancel()  # the pool it guards is closed: it ends at once
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(guard, return_exceptions=True)
         self._loop = self._start_lock = None
         # A new identity for the next start: anything of this one left behind is a dead
         # process's, passed over at once.
@@ -828,21 +830,41 @@ def _own_pool(conninfo: str) -> AsyncConnectionPool[Any]:
     )
 
 
-async def _close_at_loop_end(pool: AsyncConnectionPool[Any]) -> None:
+async def _close_at_loop_end(pool: AsyncConnectionPool[Any], patience: float) -> None:
     """Close the limiter's own pool if its event loop ends with the pool open.
 
     ``asyncio.run()`` returning without `aclose()` cancels every task left, the pool's
     workers among them; a psycopg_pool worker cancelled while it opens a connection (the
     pool growing) swallows the cancellation and waits for its next job forever, and
     ``asyncio.run()`` never returns. Cancelled with them, this task closes the pool, which
-    stops every worker.
+    stops every worker: once the other tasks have ended (the slots that the cancelled tasks
+    held are released through the pool) or ``patience`` seconds have passed.
     """
     try:
         await asyncio.get_running_loop().create_future()  # as long as the loop runs
     except asyncio.CancelledError:
-        if not pool.closed:
-            await pool.close()
+        if not pool.closed:  # else aclose() closed it, then cancelled this task
+            # The tasks cancelled with this one, which asyncio.run() waits for (not those
+            # that they started since), but psycopg_pool's.
+            me = asyncio.current_task()
+            others = {
+                task
+                for task in asyncio.all_tasks()
+                if task is not me and task.cancelling() and not _of_psycopg_pool(task)
+            }
+            if others:
+                await asyncio.wait(others, timeout=patience)
+            if not pool.closed:
+                await pool.close()
         raise
+
+
+def _of_psycopg_pool(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` runs a coroutine of psycopg_pool's own (a worker, its scheduler)."""
+    frame = getattr(task.get_coro(), "cr_frame", None)
+    return frame is not None and str(frame.f_globals.get("__name__", "")).startswith(
+        "psycopg_pool."
+    )
 
 
 def _require_asyncio() -> None:
