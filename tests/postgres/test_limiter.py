@@ -12,6 +12,7 @@ import logging
 import random
 import subprocess
 import sys
+import time
 import uuid
 from typing import Any
 
@@ -842,6 +843,26 @@ async def test_a_slot_held_when_the_event_loop_ends_is_released(
     with anyio.fail_after(5):  # not after the lease's 30 s
         async with other.slot():
             pass
+
+
+def test_two_limiters_end_with_their_event_loop(tagged_dsn: str, schema: str) -> None:
+    # Each limiter's pool guard waits for the tasks cancelled with it, not for the other
+    # limiter's guard, which waits for its own in turn: asyncio.run() returns at once, not
+    # when their patience (3 x db_timeout: 30 s here) runs out.
+    limiters = [
+        PostgresLimiter(tagged_dsn, name=name, schema=schema, max_concurrent=1, db_timeout=10)
+        for name in ("first", "second")
+    ]
+
+    async def use() -> None:
+        for limiter in limiters:
+            async with limiter.slot():
+                pass
+
+    began = time.monotonic()
+    asyncio.run(use())
+    assert time.monotonic() - began < 15
+    assert all(limiter.pool.closed for limiter in limiters)
 
 
 async def test_aclose_with_requests_waiting_leaves_nothing_running(make: Any) -> None:

@@ -845,12 +845,12 @@ async def _close_at_loop_end(pool: AsyncConnectionPool[Any], patience: float) ->
     except asyncio.CancelledError:
         if not pool.closed:  # else aclose() closed it, then cancelled this task
             # The tasks cancelled with this one, which asyncio.run() waits for (not those
-            # that they started since), but psycopg_pool's.
+            # that they started since), but psycopg_pool's and the other limiters' guards.
             me = asyncio.current_task()
             others = {
                 task
                 for task in asyncio.all_tasks()
-                if task is not me and task.cancelling() and not _of_psycopg_pool(task)
+                if task is not me and task.cancelling() and not _pool_keeping(task)
             }
             if others:
                 await asyncio.wait(others, timeout=patience)
@@ -859,9 +859,14 @@ async def _close_at_loop_end(pool: AsyncConnectionPool[Any], patience: float) ->
         raise
 
 
-def _of_psycopg_pool(task: asyncio.Task[Any]) -> bool:
-    """Whether ``task`` runs a coroutine of psycopg_pool's own (a worker, its scheduler)."""
-    frame = getattr(task.get_coro(), "cr_frame", None)
+def _pool_keeping(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` keeps a pool rather than uses one: psycopg_pool's own (a worker, its
+    scheduler), or the guard of another limiter's pool, which in turn waits for this one's
+    users (each would wait out its patience for the other)."""
+    coro = task.get_coro()
+    if getattr(coro, "cr_code", None) is _close_at_loop_end.__code__:
+        return True
+    frame = getattr(coro, "cr_frame", None)
     return frame is not None and str(frame.f_globals.get("__name__", "")).startswith(
         "psycopg_pool."
     )
