@@ -29,7 +29,13 @@ from ._helpers import Holders, closes_early
 from .conftest import FakeProvider
 from .test_docs import program
 
-pytestmark = [pytest.mark.anyio, closes_early]
+pytestmark = [
+    pytest.mark.anyio,
+    closes_early,
+    # A provider retiring the pages' model is news for the pages, not a fault of slotwise:
+    # Pydantic AI warns on each request to a model its provider has deprecated.
+    pytest.mark.filterwarnings("ignore::pydantic_ai.exceptions.DeprecatedModelWarning"),
+]
 
 DELAY = "0.2"  # seconds per answer: long enough for four requests to overlap on a busy machine
 LIMIT = 4  # every limiter on the pages
