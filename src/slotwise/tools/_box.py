@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import bisect
 import inspect
 import json
 import math
@@ -19,7 +18,8 @@ from anyio.abc import TaskGroup
 from anyio.lowlevel import checkpoint
 
 from .._config import DEFAULT_WORKLOAD, Workload, seconds
-from .._core.rules import Rules, WorkloadRule, allocate
+from .._core.backlog import Backlog
+from .._core.rules import Rules, WorkloadRule
 from .._errors import (
     ConcurrencyConfigError,
     ConcurrencyError,
@@ -490,9 +490,6 @@ class _Batch:
         "pending",
         "pools",
         "results",
-        "rules",
-        "running",
-        "shared_used",
         "started",
         "taken",
         "tools",
@@ -513,12 +510,9 @@ class _Batch:
         self.taken = [False] * len(calls)
         self.now = _clock()
         self.started = 0.0
-        # Calls not started yet, by pool, in the model's order; the batch's calls started and
-        # not ended, by pool, and the shared capacity they occupy, under `rules`.
-        self.pending: dict[str, deque[int]] = {}
-        self.running: dict[str, int] = {}
-        self.shared_used = 0
-        self.rules = Rules(max_concurrent=0, workloads={})
+        # Calls not started yet, by pool, in the model's order, and the batch's calls started
+        # and not ended, under the limiter's rules (set by `_plan`).
+        self.pending = Backlog(Rules(max_concurrent=0, workloads={}))
         self.bounds: dict[str, float] = {}  # when a pool's calls stop waiting, by pool
         self.group: TaskGroup | None = None
         self.turn: _Turn | None = None  # the chain's call whose turn has come
@@ -621,65 +615,42 @@ class _Batch:
         calls joins in one call at a time: its next call waits among the others from its
         turn on.
         """
+        rules = self.box._limits_of({self.pools[i] for i in admitted}, len(admitted))
+        self.pending = pending = Backlog(rules)
         chain: deque[int] = deque()
-        pending = self.pending
         for i in admitted:
             tool = self.tools[i]
             assert tool is not None
             if tool.sequential:
                 chain.append(i)
             else:
-                pending.setdefault(tool.pool, deque()).append(i)
-        pools = {*pending, *(self.pools[i] for i in chain)}
-        self.rules = self.box._limits_of(pools, len(admitted))
+                pending.add(tool.pool, i)
         first = self._turns(chain) if chain else self._next()
-        for pool, queue in list(pending.items()):
+        for pool in list(pending.queues):
             max_wait = _limits(self.limiter, pool)[1]
             if max_wait == 0:
                 turn = None if self.turn is None else self.turn.call  # the chain's: its own
-                for i in queue:
-                    if i != turn:
+                for i in pending.clear(pool):
+                    if i == turn:
+                        pending.add(pool, i)
+                    else:
                         self.taken[i] = True
                         self._reject(i, "concurrency-limit", self._busy(i))
-                if turn is not None and turn in queue:
-                    pending[pool] = deque([turn])
-                else:
-                    del pending[pool]
             elif max_wait is not None:
                 self.bounds[pool] = self.started + max_wait
         return first, chain
 
-    def _ended(self, pool: str) -> None:
-        """A call of ``pool`` ended: uncount it, as the limiter uncounts a released slot."""
-        held = self.running[pool] - 1
-        self.running[pool] = held
-        if held >= self.rules.workloads[pool].reserved:
-            self.shared_used -= 1
-
     def _next(self) -> list[int]:
         """The waiting calls that start now (counted), in the order they start."""
         pending = self.pending
-        if not pending:
-            return []
         # A call's key among those waiting is its index: its place in the model's order.
-        started = allocate(self.rules, self.running, pending, int, shared_used=self.shared_used)
-        if not started and not any(self.running.values()):
+        started = pending.grant()
+        if not started and pending and not any(pending.active.values()):
             # The rules as the limiter states them give the batch no room even alone (a pool
             # without a reservation where reservations take every slot): its first call
             # asks anyway, and the limiter answers it, as it would answer anyone.
-            started = [min(queue[0] for queue in pending.values())]
-        running = self.running
-        workloads = self.rules.workloads
-        for i in started:
-            pool = self.pools[i]
-            queue = pending[pool]
-            queue.popleft()  # the calls started are heads, in their queues' order
-            if not queue:
-                del pending[pool]
-            held = running.get(pool, 0)  # counted, as the limiter counts a grant
-            if held >= workloads[pool].reserved:
-                self.shared_used += 1
-            running[pool] = held + 1
+            queues = pending.queues
+            started = [pending.take(min(queues, key=lambda pool: queues[pool][0]))]
         return started
 
     def _start(self, indices: list[int], first: bool = False, keep: bool = False) -> int | None:
@@ -705,8 +676,7 @@ class _Batch:
         while chain:
             i = chain.popleft()
             pool = self.pools[i]
-            queue = self.pending.setdefault(pool, deque())
-            bisect.insort(queue, i)
+            self.pending.add(pool, i)
             self.turn = _Turn(i, self.now())
             started += self._next()
             if i in started:
@@ -719,11 +689,7 @@ class _Batch:
 
     def _refuse_turn(self, i: int, since: float) -> None:
         """The chain's call ``i`` waited in the batch as long as its pool allows: refused."""
-        pool = self.pools[i]
-        queue = self.pending[pool]
-        queue.remove(i)
-        if not queue:
-            del self.pending[pool]
+        self.pending.remove(self.pools[i], i)
         self.turn = None
         self.taken[i] = True
         self._reject(i, "concurrency-limit", self._busy(i), waited=self.now() - since)
@@ -743,9 +709,9 @@ class _Batch:
             if self.idle.is_set():
                 return
             turn = None if self.turn is None else self.turn.call  # the chain's: its own
-            for i in self.pending.pop(pool, ()):
+            for i in self.pending.clear(pool):
                 if i == turn:
-                    self.pending[pool] = deque([i])
+                    self.pending.add(pool, i)
                 else:
                     self.taken[i] = True
                     self._reject(i, "concurrency-limit", self._busy(i), waited=bound - self.started)
@@ -765,7 +731,7 @@ class _Batch:
                 pool = self.pools[i]
                 self.taken[i] = True
                 await self._call(i, self.started, None if first else self.bounds.get(pool))
-                self._ended(pool)
+                self.pending.end(pool)
                 i, first = self._start(self._next(), keep=True), False
         finally:
             self._retire()
@@ -791,7 +757,7 @@ class _Batch:
                 self.turn = None
                 self.taken[i] = True
                 await self._call(i, turn.since, bound)
-                self._ended(pool)
+                self.pending.end(pool)
                 self._start(self._turns(chain) if chain else self._next())
         finally:
             self._retire()
