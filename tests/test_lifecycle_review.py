@@ -4,7 +4,8 @@ A slot entered through ``AsyncExitStack`` or a wrapper; the first renewal of a w
 limiter after a stalled hand-off; a renewal that ignores cancellation; a release that hangs
 or raises a ``BaseException``; a subscriber that interrupts ``acquired``; a stalled loop that
 watched the clock for everyone; a waiter left on a closed loop; a limiter left behind by a
-finished trio run on a virtual clock; trio's guest mode; ``sync_slot()`` inside a loop.
+finished trio run on a virtual clock; a keeper idle from a time where its linger rounds down;
+trio's guest mode; ``sync_slot()`` inside a loop.
 """
 
 from __future__ import annotations
@@ -415,6 +416,49 @@ async def test_a_limiter_in_use_on_a_virtual_clock_refuses_other_loops_clearly()
     [error] = errors
     assert isinstance(error, ConcurrencyConfigError)
     assert "virtual clock" in str(error)
+
+
+class _Spinning(trio.abc.Instrument):
+    """Cancels ``scope`` once the run has stepped tasks 10,000 times at one virtual time: a
+    task that never blocks (a wait of zero, again and again) keeps a virtual clock from
+    moving, and the run would never end."""
+
+    def __init__(self, clock: trio.testing.MockClock, scope: trio.CancelScope) -> None:
+        self.clock, self.scope = clock, scope
+        self.at, self.steps, self.spun = -1.0, 0, False
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        now = self.clock.current_time()
+        self.steps = self.steps + 1 if now == self.at else 0
+        self.at = now
+        if self.steps > 10_000 and not self.spun:
+            self.spun = True
+            self.scope.cancel()
+
+
+def test_the_keeper_ends_when_idle_at_a_time_where_the_linger_rounds_down() -> None:
+    """The lease keeper lingers 5 s once idle, then ends. Idle from t = 28.072265335404968,
+    the end of its linger rounds to 33.072265335404964, where ``now - idle_since`` is still
+    below 5: it slept until then, found itself early, and slept 0 s again, forever, and
+    on a virtual clock time stood still."""
+    idle_since = 28.072265335404968
+    assert (idle_since + 5.0) - idle_since < 5.0  # the rounding itself
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    limiter = Custom()
+    spinning: list[_Spinning] = []
+
+    async def main() -> None:
+        with trio.CancelScope() as scope:
+            spinning.append(_Spinning(clock, scope))
+            trio.lowlevel.add_instrument(spinning[0])
+            clock.jump(idle_since)
+            async with slotwise.slot(limiter=limiter):  # the keeper renews a custom limiter's
+                pass
+            await trio.sleep(60)  # past the linger: the keeper has ended
+
+    trio.run(main, clock=clock)
+    assert not spinning[0].spun, "the keeper never ended: it waited 0 s again and again"
+    assert clock.current_time() == idle_since + 60
 
 
 # -- trio's guest mode ------------------------------------------------------------------------

@@ -169,14 +169,16 @@ class _Keeper:
                     continue
                 if due is None and not self._renewing:
                     idle_since = current if idle_since is None else idle_since
-                    if current - idle_since >= _IDLE_LINGER:
-                        return
                     self._alarm = idle_since + _IDLE_LINGER
+                    # Against the alarm itself: `current - idle_since` can stay below the
+                    # linger at the very time the alarm (rounded) names.
+                    if current >= self._alarm:
+                        return
                 else:
                     idle_since = None
                     self._alarm = math.inf if due is None else due
                 self._wake = anyio.Event()
-                with anyio.move_on_after(self._alarm - current):
+                with anyio.move_on_at(self._alarm):  # the clock `current` is read from
                     await self._wake.wait()
                 self._wake = None
 
