@@ -1081,3 +1081,37 @@ def test_import_slotwise_does_not_import_the_tools() -> None:
     code = "import sys, slotwise; print('slotwise.tools' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_batch_result_is_the_value_the_constructor_makes() -> None:
+    """The batch fills its results' slots directly (`make_result`): the same frozen value as
+    `ToolResult(...)`, every field included (a field added to `ToolResult` fails here)."""
+    from slotwise.tools._values import make_result
+
+    made = make_result("call_1", "search", "found", "timed-out", "unknown", 1.5, 2.5)
+    built = ToolResult(
+        call_id="call_1",
+        name="search",
+        content="found",
+        error="timed-out",
+        effect="unknown",
+        wait_time=1.5,
+        duration=2.5,
+    )
+    assert made == built
+    assert attrs.asdict(made) == attrs.asdict(built)
+    assert [field.name for field in attrs.fields(ToolResult)] == [
+        "call_id",
+        "name",
+        "content",
+        "error",
+        "effect",
+        "wait_time",
+        "duration",
+        "truncated",
+    ]
+    assert made.truncated == 0
+    assert made.is_error
+    assert hash(made) == hash(built)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        made.content = "changed"  # type: ignore[misc]

@@ -40,7 +40,7 @@ from .._runtime.loop import own_cancellation, require
 from .._runtime.runs import Run, current_run
 from .._runtime.runs import run as start_run
 from ._budget import allowances, cut_note
-from ._values import Tool, ToolCall, ToolError, ToolResult
+from ._values import Tool, ToolCall, ToolError, ToolResult, make_result
 
 __all__ = ("ToolBox",)
 
@@ -957,15 +957,7 @@ class _Batch:
         duration: float,
     ) -> None:
         call = self.calls[i]
-        self.results[i] = ToolResult(
-            call_id=call.id,
-            name=call.name,
-            content=content,
-            error=error,
-            effect=effect,
-            wait_time=waited,
-            duration=duration,
-        )
+        self.results[i] = make_result(call.id, call.name, content, error, effect, waited, duration)
 
     def _reject(
         self,

@@ -91,6 +91,44 @@ class ToolResult:
         return self.error is not None
 
 
+_new = object.__new__
+(
+    _set_call_id,
+    _set_name,
+    _set_content,
+    _set_error,
+    _set_effect,
+    _set_wait_time,
+    _set_duration,
+    _set_truncated,
+) = (ToolResult.__dict__[field.name].__set__ for field in attrs.fields(ToolResult))
+
+
+def make_result(
+    call_id: str,
+    name: str,
+    content: str,
+    error: ToolError | None,
+    effect: ToolEffect,
+    wait_time: float,
+    duration: float,
+) -> ToolResult:
+    """``ToolResult(call_id=..., ...)`` (``truncated=0``) for a batch's results: the same
+    value, its slots filled directly, where the frozen class's ``__init__`` makes a call of
+    a bound ``object.__setattr__`` per field and parses keywords (2.5 times the time: 7% of a
+    tool call's whole cost)."""
+    result = _new(ToolResult)
+    _set_call_id(result, call_id)
+    _set_name(result, name)
+    _set_content(result, content)
+    _set_error(result, error)
+    _set_effect(result, effect)
+    _set_wait_time(result, wait_time)
+    _set_duration(result, duration)
+    _set_truncated(result, 0)
+    return result
+
+
 @attrs.frozen(kw_only=True)
 class Tool:
     """A tool registered with `ToolBox.tool`.
