@@ -346,8 +346,9 @@ class ThreadWaker(Waker):
 
 
 class _Cache(threading.local):
-    key: object = None
-    loop: Loop | None = None
+    # The running loop (asyncio's, or trio's runner) and its `Loop`, read as one pair: each
+    # attribute read of a thread-local costs a look-up of the thread's own dict.
+    entry: tuple[object, Loop | None] = (None, None)
 
 
 _cache = _Cache()
@@ -376,17 +377,19 @@ def current() -> Loop | None:
     # AttributeError, ten times the cost of the lookup.
     runner = None if context is None else context.__dict__.get("runner")
     if runner is not None:
-        if cache.key is not runner:
-            cache.loop = TrioLoop(sys.modules["trio"].lowlevel.current_trio_token())
-            cache.key = runner
-        return cache.loop
+        key, loop = cache.entry
+        if key is not runner:
+            loop = TrioLoop(sys.modules["trio"].lowlevel.current_trio_token())
+            cache.entry = (runner, loop)
+        return loop
     running = _get_running_loop()
     if running is None:
         return None
-    if cache.key is not running:
-        cache.loop = AsyncioLoop(running)
-        cache.key = running
-    return cache.loop
+    key, loop = cache.entry
+    if key is not running:
+        loop = AsyncioLoop(running)
+        cache.entry = (running, loop)
+    return loop
 
 
 def _imported(module: Any) -> bool:
