@@ -1041,19 +1041,27 @@ class SlotContext(Generic[W]):
     last (as `AsyncExitStack` does).
     """
 
-    __slots__ = ("_allow_nested", "_limiter", "_tokens", "_workload")
+    __slots__ = ("_allow_nested", "_limiter", "_loop", "_tokens", "_workload")
 
     def __init__(
-        self, workload: W | None, limiter: Any, allow_nested: bool, tokens: int | None = None
+        self,
+        workload: W | None,
+        limiter: Any,
+        allow_nested: bool,
+        tokens: int | None = None,
+        loop: Loop | None = None,
     ) -> None:
         self._workload = workload
         self._limiter = limiter
         self._allow_nested = allow_nested
         self._tokens = tokens
+        # The event loop every entry runs on, when its maker knows it (a tool batch's slots
+        # are all entered by the batch's own tasks); None: looked up at each entry.
+        self._loop = loop
 
     async def __aenter__(self) -> Slot:
         # acquire(), inlined: one coroutine less on the path of every provider request.
-        loop = current() or require()
+        loop = self._loop or current() or require()
         slot, run = _request(self._workload, self._limiter, self._allow_nested, loop, self._tokens)
         if slot.limiter is None:
             await loop.turn()

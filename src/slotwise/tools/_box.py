@@ -35,8 +35,8 @@ from .._events import (
 )
 from .._protocol import Limiter, TypedLimiter, W
 from .._runtime import dispatch
-from .._runtime.lifecycle import Slot, is_cancellation, slot
-from .._runtime.loop import own_cancellation, require
+from .._runtime.lifecycle import Slot, SlotContext, is_cancellation
+from .._runtime.loop import Loop, own_cancellation, require
 from .._runtime.runs import Run, current_run
 from .._runtime.runs import run as start_run
 from ._budget import allowances, cut_note
@@ -393,13 +393,6 @@ _is_str: Callable[[object], bool] = str.__instancecheck__  # isinstance(x, str),
 _to_json = json.JSONEncoder(ensure_ascii=False).encode
 
 
-def _clock() -> Callable[[], float]:
-    """The running loop's clock, as `anyio.current_time()` reads it, without looking the
-    event loop up at each read (the runtime's lookup, safe while another thread is still
-    importing trio)."""
-    return require().clock
-
-
 def _fits(signature: inspect.Signature) -> Callable[[Mapping[str, Any]], bool]:
     """Whether keyword arguments fit a handler: a set comparison for the usual signatures,
     `Signature.bind` for the others."""
@@ -479,6 +472,7 @@ class _Batch:
         "bounds",
         "box",
         "calls",
+        "contexts",
         "group",
         "idle",
         "in_run",
@@ -486,6 +480,7 @@ class _Batch:
         "limiter_name",
         "lineage",
         "live",
+        "loop",
         "now",
         "pending",
         "pools",
@@ -508,12 +503,18 @@ class _Batch:
         self.pools = [""] * len(calls)  # each call's pool, once its tool is known
         self.arguments: list[dict[str, Any]] = [{}] * len(calls)
         self.taken = [False] * len(calls)
-        self.now = _clock()
+        # The running loop, looked up once (the runtime's lookup, safe while another thread
+        # is still importing trio), and its clock, as `anyio.current_time()` reads it.
+        self.loop: Loop = require()
+        self.now = self.loop.clock
         self.started = 0.0
         # Calls not started yet, by pool, in the model's order, and the batch's calls started
         # and not ended, under the limiter's rules (set by `_plan`).
         self.pending = Backlog(Rules(max_concurrent=0, workloads={}))
         self.bounds: dict[str, float] = {}  # when a pool's calls stop waiting, by pool
+        # `async with` a slot of each pool: one object per pool, entered by each call (set by
+        # `_plan`).
+        self.contexts: dict[str, SlotContext[Any]] = {}
         self.group: TaskGroup | None = None
         self.turn: _Turn | None = None  # the chain's call whose turn has come
         self.live = 0  # workers running calls
@@ -615,7 +616,11 @@ class _Batch:
         calls joins in one call at a time: its next call waits among the others from its
         turn on.
         """
-        rules = self.box._limits_of({self.pools[i] for i in admitted}, len(admitted))
+        pools = {self.pools[i] for i in admitted}
+        rules = self.box._limits_of(pools, len(admitted))
+        self.contexts = {
+            pool: SlotContext(pool, self.limiter, True, loop=self.loop) for pool in pools
+        }
         self.pending = pending = Backlog(rules)
         chain: deque[int] = deque()
         for i in admitted:
@@ -779,7 +784,7 @@ class _Batch:
         value: Any = _TIMED_OUT
         try:
             with waiting:
-                async with slot(tool.pool, limiter=self.limiter, allow_nested=True) as held:
+                async with self.contexts[tool.pool] as held:
                     # Granted: the bound was on the wait only. Nothing awaited since the
                     # grant, so it cannot have fired meanwhile.
                     waiting.deadline = math.inf
@@ -821,7 +826,7 @@ class _Batch:
             if (
                 running
                 and isinstance(exc, asyncio.CancelledError)
-                and not own_cancellation(exc, require())
+                and not own_cancellation(exc, self.loop)
             ):
                 # The handler awaited something that another task cancelled (an HTTP
                 # client's own request task, say): its failure, not the batch's cancellation.
@@ -838,7 +843,7 @@ class _Batch:
             if running:
                 # As the slot's `released` says: a cancellation, or a BaseException that is
                 # none (KeyboardInterrupt, SystemExit, a subclass of its own) and goes on.
-                cancelled = is_cancellation(exc, require().cancelled)
+                cancelled = is_cancellation(exc, self.loop.cancelled)
                 self._finished(
                     i,
                     held,
