@@ -65,8 +65,11 @@ class BuiltinLimiter(Generic[W]):
             ConcurrencyConfigError: unknown, or None with several workloads and no default.
         """
         settings = self._settings
-        if workload is None and settings.default_workload is not None:
-            return settings.default_workload  # the common case, without a call
+        if workload is None:
+            if settings.default_workload is not None:
+                return settings.default_workload  # the common cases, without a call
+        elif type(workload) is str and workload in settings.workloads:
+            return workload
         return resolve_workload(settings, workload)
 
     def subscribe(self, callback: Callable[[ConcurrencyEvent], object]) -> Callable[[], None]:
