@@ -513,7 +513,10 @@ class _Batch:
         self.pending = Backlog(Rules(max_concurrent=0, workloads={}))
         self.bounds: dict[str, float] = {}  # when a pool's calls stop waiting, by pool
         # `async with` a slot of each pool: one object per pool, entered by each call (set by
-        # `_plan`).
+        # `_plan`). An exit releases the slot its own task entered last through that object;
+        # only `_call` enters these, never across a `yield`, so no other task's exit can find
+        # a slot of this batch (`slot()` makes one per call: a generator that holds a slot
+        # across a `yield` may be closed by another task).
         self.contexts: dict[str, SlotContext[Any]] = {}
         self.group: TaskGroup | None = None
         self.turn: _Turn | None = None  # the chain's call whose turn has come
