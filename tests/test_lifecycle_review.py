@@ -35,6 +35,7 @@ from slotwise import (
     SupportsLease,
     Workload,
 )
+from slotwise._runtime.loop import current
 
 pytestmark = pytest.mark.anyio
 
@@ -491,6 +492,38 @@ def test_trio_in_guest_mode_on_an_asyncio_host() -> None:
         return (await done).unwrap()
 
     assert asyncio.run(host()) == "ok"
+
+
+def test_the_hosts_tasks_take_slots_while_a_trio_guest_run_is_active() -> None:
+    """Between trio's tasks, code of the same thread is the asyncio host's: its slots wait and
+    yield on asyncio (they used to be taken as trio's and fail with "Task got bad yield"),
+    beside the guest's own, each loop with its own `Loop`."""
+    limiter = MemoryLimiter(name="guest", max_concurrent=1)
+    entered: list[str] = []
+
+    async def trio_main() -> None:
+        with trio.fail_after(5):
+            async with limiter.slot():
+                entered.append("guest")
+                await trio.sleep(0.05)
+
+    async def host() -> Any:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        trio.lowlevel.start_guest_run(
+            trio_main,
+            run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+            done_callback=done.set_result,
+        )
+        await asyncio.sleep(0.01)  # the guest holds the only slot: the host's waits for it
+        async with asyncio.timeout(5), limiter.slot():
+            entered.append("host")
+            assert type(current()).__name__ == "AsyncioLoop"
+        return (await done).unwrap()
+
+    asyncio.run(host())
+    assert entered == ["guest", "host"]
+    assert limiter.stats_nowait().active == 0
 
 
 # -- sync_slot inside an event loop -----------------------------------------------------------

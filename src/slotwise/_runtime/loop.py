@@ -346,24 +346,28 @@ class ThreadWaker(Waker):
 
 
 class _Cache(threading.local):
-    # The running loop (asyncio's, or trio's runner) and its `Loop`, read as one pair: each
-    # attribute read of a thread-local costs a look-up of the thread's own dict.
+    # The running loop (asyncio's; trio's runner) and its `Loop`, read as one pair: each
+    # attribute read of a thread-local costs a look-up of the thread's own dict. One pair
+    # each: in trio's guest mode both run in this thread, each keeping its own `Loop`.
     entry: tuple[object, Loop | None] = (None, None)
+    trio: tuple[object, Loop | None] = (None, None)
 
 
 _cache = _Cache()
 
 
 _trio_context: Any = None  # trio's per-thread run context, once trio is imported
+_NO_STATE: dict[str, Any] = {}  # its state before trio is imported (read, never written)
 
 
 def current() -> Loop | None:
     """The running loop of this thread, or None when no event loop runs here."""
     global _trio_context
     cache = _cache
-    # trio first: in trio's guest mode on an asyncio host, both answer, and trio's is ours.
-    # One attribute read of trio's run context, where its public functions (in_trio_run,
-    # current_trio_token) add calls and their interrupt protection.
+    # trio first: in trio's guest mode on an asyncio host both answer, and trio's is ours
+    # while one of its tasks runs, the host's between them. One attribute read of trio's run
+    # context, where its public functions (in_trio_run, current_trio_token) add calls and
+    # their interrupt protection.
     context = _trio_context
     if context is None and "trio._core._run" in sys.modules:
         run = sys.modules["trio._core._run"]
@@ -375,12 +379,15 @@ def current() -> Loop | None:
     # Its per-thread dict, as trio clears it, not getattr(): in a thread that runs no trio
     # (every asyncio loop once trio is imported), getattr() raises and catches an
     # AttributeError, ten times the cost of the lookup.
-    runner = None if context is None else context.__dict__.get("runner")
-    if runner is not None:
-        key, loop = cache.entry
+    state: dict[str, Any] = _NO_STATE if context is None else context.__dict__
+    runner = state.get("runner")
+    # trio sets its context's `task` while it runs one: without it, code in this thread is
+    # a guest run's host, if a host loop runs (else trio's own, between its tasks).
+    if runner is not None and ("task" in state or _get_running_loop() is None):
+        key, loop = cache.trio
         if key is not runner:
             loop = TrioLoop(sys.modules["trio"].lowlevel.current_trio_token())
-            cache.entry = (runner, loop)
+            cache.trio = (runner, loop)
         return loop
     running = _get_running_loop()
     if running is None:
