@@ -194,32 +194,56 @@ def test_a_request_larger_than_the_learned_capacity_waits_for_a_full_bucket() ->
 
 
 async def _wave(limiter: MemoryLimiter, n: int) -> None:
-    """``n`` slots taken at once, then released one after the other: ``n``, ``n - 1``, ...,
-    1 in use at the releases. A success counts only with at least half the limit in use."""
+    """``n`` slots taken at once (1, 2, ..., ``n`` occupied once each was granted), then
+    released last first: ``n``, ``n - 1``, ..., 1 in use at the releases. A success counts
+    only with at least half the limit in use, and climbs only if its slot was granted with the
+    limit full: in slow start a wave at the limit climbs one slot, at its first release."""
     held = [await slotwise.acquire(limiter=limiter) for _ in range(n)]
-    for slot in held:
+    for slot in reversed(held):
         await slot.release()
 
 
-def test_slow_start_climbs_one_per_success_until_the_first_pushback() -> None:
+def test_slow_start_climbs_on_each_success_that_found_the_limit_full() -> None:
     aimd = Aimd(floor=2, ceiling=32, backoff=0.5, limit=2, slow_start=True)
-    assert [aimd.success(0, 32) for _ in range(4)] == [3, 4, 5, 6]
+    # success(epoch granted in, slots occupied at its release, slots occupied once granted)
+    assert aimd.success(0, 2, 1) is None  # granted with 1 of 2 occupied: 2 not tried yet
+    assert aimd.success(0, 2, 2) == 3
+    assert aimd.success(0, 3, 2) is None  # granted before the climb: 3 not tried
+    assert [aimd.success(0, 3, 3), aimd.success(0, 4, 4), aimd.success(0, 5, 5)] == [4, 5, 6]
+    assert aimd.proven == 5
     assert aimd.pushback(0) == 3
     assert not aimd.slow_start
-    # From here on the additive climb: one slot per round trip (as many successes as the limit).
-    assert [aimd.success(1, 3) for _ in range(3)] == [None, None, 4]
+    assert aimd.proven == 0  # what the provider took before it refused is void
+    # From here on the additive climb: one slot per round trip (as many successes as the
+    # limit), each of a request granted with the limit full.
+    assert [aimd.success(1, 3, 3) for _ in range(3)] == [None, None, 4]
+    assert [aimd.success(1, 4, 3) for _ in range(8)] == [None] * 8  # 4 never tried
+    assert aimd.credit == 0.0
+    assert [aimd.success(1, 4, 4) for _ in range(4)] == [None, None, None, 5]
+
+
+def test_the_limit_never_climbs_two_slots_above_what_the_provider_took() -> None:
+    # However many successes come back at once, of requests granted with at most `proven`
+    # slots occupied, the limit goes one slot above it and waits for that slot's answer.
+    aimd = Aimd(floor=2, ceiling=32, backoff=0.5, limit=16, slow_start=True, proven=16)
+    assert [aimd.success(0, 17, 16) for _ in range(10)] == [17] + [None] * 9
+    assert aimd.success(0, 17, 17) == 18
+    # Granted in an epoch before the last decrease: neither a climb nor a proof.
+    aimd.pushback(0)
+    assert aimd.success(0, 9, 9) is None
+    assert aimd.proven == 0
 
 
 def test_a_success_with_less_than_half_the_limit_in_use_does_not_count() -> None:
     # A limit not reached (the buckets or the demand held the requests back) says nothing of
     # the room above it: neither slow start nor the additive climb moves on it.
     aimd = Aimd(floor=2, ceiling=32, backoff=0.5, limit=8, slow_start=True)
-    assert [aimd.success(0, 3) for _ in range(10)] == [None] * 10
-    assert aimd.success(0, 4) == 9
+    assert [aimd.success(0, 3, 8) for _ in range(10)] == [None] * 10
+    assert aimd.success(0, 4, 8) == 9
     aimd.pushback(0)  # 4, additive from here on
-    assert [aimd.success(1, 1) for _ in range(10)] == [None] * 10
+    assert [aimd.success(1, 1, 4) for _ in range(10)] == [None] * 10
     assert aimd.credit == 0.0
-    assert [aimd.success(1, 2) for _ in range(4)] == [None, None, None, 5]
+    assert [aimd.success(1, 2, 4) for _ in range(4)] == [None, None, None, 5]
 
 
 async def test_an_adaptive_limit_in_slow_start_begins_at_min_concurrent() -> None:
@@ -240,15 +264,16 @@ async def test_an_adaptive_limit_in_slow_start_begins_at_min_concurrent() -> Non
         tg.start_soon(take)
         await anyio.wait_all_tasks_blocked()
         assert not third.is_set()  # 2 before any answer
-        await first[0].__aexit__(None, None, None)  # a success: 3
-        assert limiter.stats_nowait().effective_max_concurrent == 3
-        await third.wait()
-    assert limiter.stats_nowait().effective_max_concurrent == 4  # its success too
-    await first[1].__aexit__(None, None, None)  # 1 in use of 4: does not count
-    assert limiter.stats_nowait().effective_max_concurrent == 4
+        # A success, but of a slot granted with 1 of 2 occupied: the limit was not tried.
+        await first[0].__aexit__(None, None, None)
+        assert limiter.stats_nowait().effective_max_concurrent == 2
+        await third.wait()  # the slot it freed, granted with 2 of 2 occupied
+    assert limiter.stats_nowait().effective_max_concurrent == 3  # its success climbs
+    await first[1].__aexit__(None, None, None)  # 3 not tried yet (and 1 in use of 3)
+    assert limiter.stats_nowait().effective_max_concurrent == 3
 
     async def busy() -> None:
-        for _ in range(10):
+        for _ in range(20):
             async with limiter.slot(allow_nested=True):
                 await anyio.lowlevel.checkpoint()
 
@@ -262,30 +287,30 @@ async def test_a_pushback_ends_slow_start() -> None:
     limiter = MemoryLimiter(
         name="slow", max_concurrent=16, adaptive=Adaptive(min_concurrent=2, slow_start=True)
     )
-    # Each wave at the limit: one slot more per counted success (in use, then the limit:
-    # 2 of 2: 3; then 3 of 3: 4, 2 of 4: 5; 5 of 5: 6, 4 of 6: 7; 7, 6, 5 of 7: 10).
-    for limit in (2, 3, 5, 7):
+    # Each wave at the limit climbs one slot, at its first release.
+    for limit in (2, 3, 4, 5):
         await _wave(limiter, limit)
-    assert limiter.stats_nowait().effective_max_concurrent == 10
+    assert limiter.stats_nowait().effective_max_concurrent == 6
     async with limiter.slot() as slot:
         slot.throttled(retry_after=0.0)
-    assert limiter.stats_nowait().effective_max_concurrent == 5
-    await _wave(limiter, 5)  # 3 counted successes (5, 4 and 3 in use)
-    assert limiter.stats_nowait().effective_max_concurrent == 5  # additive now: 5 successes
-    await _wave(limiter, 5)
-    assert limiter.stats_nowait().effective_max_concurrent == 6
+    assert limiter.stats_nowait().effective_max_concurrent == 3
+    # Additive now: 3 counted successes (granted with the limit full, released with at least
+    # half of it in use) for a slot; a wave of 3 counts 2 (3 and 2 in use).
+    await _wave(limiter, 3)
+    assert limiter.stats_nowait().effective_max_concurrent == 3
+    await _wave(limiter, 3)
+    assert limiter.stats_nowait().effective_max_concurrent == 4
 
 
 async def test_set_limits_does_not_end_a_slow_start() -> None:
     limiter = MemoryLimiter(
         name="slow", max_concurrent=16, adaptive=Adaptive(min_concurrent=2, slow_start=True)
     )
-    async with limiter.slot():
-        pass
+    await _wave(limiter, 2)
     await limiter.set_limits(max_concurrent=12)
     assert limiter.stats_nowait().effective_max_concurrent == 3
-    await _wave(limiter, 2)  # 2 in use of 3 counts, 1 does not
-    assert limiter.stats_nowait().effective_max_concurrent == 4  # still one per success
+    await _wave(limiter, 3)  # its first release climbs at once (additive: a third of a slot)
+    assert limiter.stats_nowait().effective_max_concurrent == 4
 
 
 def test_slow_start_must_be_a_boolean() -> None:

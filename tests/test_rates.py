@@ -581,10 +581,17 @@ async def test_the_adaptive_limit_falls_on_pushback_and_climbs_on_success() -> N
         for h in held:
             await h.__aexit__(None, None, None)
         assert limiter.stats_nowait().effective_max_concurrent == 2
-        # Successes with at least half the limit in use: one more slot per round trip (as
-        # many counted successes as the limit). Two slots at a time: at a limit of 3, the
-        # release that leaves one in use does not count.
-        for _ in range(1 + 3):
+        # Successes of slots granted with the limit full (or after one that was), with at
+        # least half the limit in use at their release: one more slot per round trip (as
+        # many counted successes as the limit). Waves at the limit, the last granted released
+        # first: at a limit of 3, the release that leaves one in use does not count.
+        for n in (2, 3, 3):
+            held = [await slotwise.acquire(limiter=limiter) for _ in range(n)]
+            for slot in reversed(held):
+                await slot.release()
+        assert limiter.stats_nowait().effective_max_concurrent == 4
+        # Two slots at a time at a limit of 4: 4 is never tried, however many succeed.
+        for _ in range(4 * 4):
             async with limiter.slot(), limiter.slot(allow_nested=True):
                 pass
         assert limiter.stats_nowait().effective_max_concurrent == 4
@@ -606,9 +613,9 @@ async def test_the_adaptive_limit_falls_on_pushback_and_climbs_on_success() -> N
 
 async def test_unused_reservations_count_as_occupied_for_the_climb() -> None:
     # A success counts with half the limit occupied: slots held, and reserved slots left
-    # unused, which no other workload can take. Here the limit starts at the reservation:
-    # "batch" can take nothing until it climbs on "chat"'s successes, though "chat" uses
-    # only 3 of its 8 slots.
+    # unused, which no other workload can take; so is the limit tried by a slot granted with
+    # it occupied. Here the limit starts at the reservation: "batch" can take nothing until
+    # it climbs on "chat"'s successes, though "chat" uses only 3 of its 8 slots.
     limiter = MemoryLimiter(
         name="reserved",
         max_concurrent=20,
@@ -620,7 +627,8 @@ async def test_unused_reservations_count_as_occupied_for_the_climb() -> None:
     held = [await slotwise.acquire("chat", limiter=limiter) for _ in range(3)]
     for slot in held:
         await slot.release()  # 8 occupied each time: 3, 2, 1 held and the rest reserved
-    assert limiter.stats_nowait().effective_max_concurrent == 11
+    # The first climbs to 9; 9 is not tried by the others (granted with 8 occupied).
+    assert limiter.stats_nowait().effective_max_concurrent == 9
     with anyio.fail_after(5):
         async with limiter.slot("batch"):
             assert limiter.stats_nowait().workloads["batch"].active == 1
@@ -645,9 +653,10 @@ async def test_cancelled_and_failed_requests_are_no_successes() -> None:
     slot = await slotwise.acquire(limiter=limiter)
     slot.release_sync("cancelled")
     assert limiter.stats_nowait().effective_max_concurrent == 2
-    async with limiter.slot():
+    async with limiter.slot(), limiter.slot(allow_nested=True):
         pass
-    assert limiter.stats_nowait().effective_max_concurrent == 3  # a completed one climbs
+    # A completed one, granted with the limit full, climbs.
+    assert limiter.stats_nowait().effective_max_concurrent == 3
 
     # A refusal without a retry-after pauses about a second; with only a failure since,
     # the next one backs off to about two.
@@ -741,6 +750,58 @@ async def test_aimd_follows_a_provider_whose_capacity_drops_and_comes_back() -> 
     assert len([t for t in refusals if 40 <= t < 60]) <= 6
     # Back at 16, the limit climbs back up.
     assert max(limit for t, limit in limits if t >= 75) >= 12
+
+
+@on_mock_clock()
+@pytest.mark.parametrize("seed", [7, 8, 9])
+async def test_the_limit_never_climbs_two_slots_above_what_the_provider_took(seed: int) -> None:
+    # A provider that takes 6 requests at once and refuses the next with a 429, in front of a
+    # slow start from 2 toward 32. A success climbs only if its request was granted with the
+    # limit full, so the limit goes at most one slot past what the provider took: the
+    # successes that come back while that slot's request is refused cannot climb further.
+    capacity = 6
+    limiter = MemoryLimiter(
+        name="aimd", max_concurrent=32, adaptive=Adaptive(min_concurrent=2, slow_start=True)
+    )
+    rng = random.Random(seed)
+    in_flight = 0
+    refusals: list[float] = []
+    limits: list[int] = []
+    start = now()
+
+    def on_event(event: ConcurrencyEvent) -> None:
+        if event.kind == "limit-changed":
+            assert event.new is not None
+            limits.append(event.new)
+
+    async def client() -> None:
+        nonlocal in_flight
+        while now() - start < 60:
+            async with limiter.slot() as slot:
+                if in_flight >= capacity:
+                    refusals.append(now() - start)
+                    await anyio.sleep(0.2)  # the 429's way back
+                    slot.throttled(retry_after=0.5, reason="429")
+                    continue
+                in_flight += 1
+                try:
+                    await anyio.sleep(rng.uniform(0.5, 1.5))
+                finally:
+                    in_flight -= 1
+
+    unsubscribe = limiter.subscribe(on_event)
+    try:
+        async with anyio.create_task_group() as tg:
+            for _ in range(24):
+                tg.start_soon(client)
+    finally:
+        unsubscribe()
+    assert max(limits) == capacity + 1  # it found the provider's limit, and went no higher
+    # The first crossing costs one refusal, as does each later probe (additive, one slot a
+    # round trip after a decrease): a handful a minute, not one per success in flight.
+    first = [t for t in refusals if t < refusals[0] + 0.5]
+    assert len(first) == 1
+    assert len(refusals) <= 12
 
 
 # -- set_limits -------------------------------------------------------------------------------

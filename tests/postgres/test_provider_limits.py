@@ -55,20 +55,21 @@ async def test_an_adaptive_limit_in_slow_start_begins_at_min_concurrent_everywhe
     }
     limiter, other = make(**limits), make(**limits)
     assert (await other.stats()).effective_max_concurrent == 2
-    # Waves at the limit, released one after the other (a success counts with at least half
-    # the limit in use): 2 of 2 in use: 3; then 3 of 3: 4, and 2 of 4: 5.
+    # Waves at the limit, the last granted released first: its success tried the limit and
+    # climbs one slot (the others were granted with fewer occupied): 3, then 4.
     for n in (2, 3):
         held = [await acquire(limiter=limiter) for _ in range(n)]
-        for slot in held:
+        for slot in reversed(held):
             await slot.release()
-    assert (await other.stats()).effective_max_concurrent == 5
+    assert (await other.stats()).effective_max_concurrent == 4
     async with limiter.slot() as slot:
         slot.throttled(retry_after=0.0)
     await limiter.stats()
     assert (await other.stats()).effective_max_concurrent == 2
-    for _ in range(2):
-        async with other.slot():
-            pass
+    first, second = await acquire(limiter=other), await acquire(limiter=other)
+    await second.release()
     # Slow start ended with the pushback, for every process: the climb is additive now (one
-    # slot after as many successes as the limit; slow start would be at 4).
+    # slot after as many successes as the limit; slow start would be at 3 already).
+    assert (await limiter.stats()).effective_max_concurrent == 2
+    await first.release()
     assert (await limiter.stats()).effective_max_concurrent == 3

@@ -13,10 +13,18 @@ workload can take): a limit that is not reached, because the rate buckets or the
 the requests back, says nothing of the room above it, and climbing on such successes would
 leave the limit far above what the provider takes by the time the requests come back.
 
-Slow start (as TCP's): a limit that starts at ``floor`` rather than at its ceiling climbs by one
-on every success, so that it doubles each round trip, until the first pushback; from there on
-the climb is additive. No more requests than the starting limit reach the provider before it
-has answered any.
+The limit never climbs more than one slot above what the provider has been seen to take: each
+lease also remembers how many slots were occupied once it was granted (its own included), and
+the highest of those among the successes since the last decrease is ``proven``. A climb needs
+``limit <= proven``: a request granted with the limit full has succeeded. So only one slot at a
+time is ever tried above what the provider took, and finding its limit costs the requests
+granted in that one slot before the first refusal pauses the limiter, not one per success
+that came back meanwhile.
+
+Slow start: a limit that starts at ``floor`` rather than at its ceiling climbs by one on every
+success of a request that found the limit full (about one slot a round trip), until the first
+pushback; from there on the climb is additive (one slot after as many successes as the limit).
+No more requests than the starting limit reach the provider before it has answered any.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class Aimd:
     epoch: int = 0  # decreases so far
     credit: float = 0.0  # successes toward the next climb, in round trips
     slow_start: bool = False  # no pushback yet: every success climbs
+    proven: int = 0  # the most slots occupied at the grant of a success since the last decrease
 
     def pushback(self, granted_in: int) -> int | None:
         """A request granted in epoch ``granted_in`` was refused by the provider: the new
@@ -60,16 +69,21 @@ class Aimd:
         self.epoch += 1
         self.credit = 0.0
         self.slow_start = False
+        self.proven = 0  # the provider took less than thought: what it took before is void
         if lower == self.limit:
             return None
         self.limit = lower
         return lower
 
-    def success(self, granted_in: int, occupied: int) -> int | None:
-        """A request granted in epoch ``granted_in`` succeeded, with ``occupied`` slots
-        occupied at its release (its own included; see `slotwise._core.rules.occupied`):
-        the new limit, or None."""
-        if granted_in < self.epoch or self.limit >= self.ceiling or 2 * occupied < self.limit:
+    def success(self, granted_in: int, occupied: int, tried: int) -> int | None:
+        """A request granted in epoch ``granted_in`` succeeded, with ``tried`` slots occupied
+        once it was granted and ``occupied`` at its release (its own included both times;
+        see `slotwise._core.rules.occupied`): the new limit, or None."""
+        if granted_in < self.epoch:
+            return None
+        if tried > self.proven:
+            self.proven = tried
+        if self.limit >= self.ceiling or 2 * occupied < self.limit or self.limit > self.proven:
             return None
         if self.slow_start:
             self.limit += 1

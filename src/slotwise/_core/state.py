@@ -65,18 +65,34 @@ def holds(tether: Tether | None) -> bool:
 class LeaseRecord:
     """A granted lease; the shell hands it out as the lease itself."""
 
-    __slots__ = ("epoch", "expires_at", "lease_id", "succeeded", "tether", "waited_for", "workload")
+    __slots__ = (
+        "epoch",
+        "expires_at",
+        "lease_id",
+        "succeeded",
+        "tether",
+        "tried",
+        "waited_for",
+        "workload",
+    )
 
     expires_at: float
 
     def __init__(
-        self, lease_id: str, workload: str, expires_at: float, tether: Tether | None, epoch: int
+        self,
+        lease_id: str,
+        workload: str,
+        expires_at: float,
+        tether: Tether | None,
+        epoch: int,
+        tried: int = 0,
     ) -> None:
         self.lease_id = lease_id
         self.workload = workload
         self.expires_at = expires_at
         self.tether = tether
         self.epoch = epoch  # the adaptive limit's epoch when it was granted
+        self.tried = tried  # with an adaptive limit: the slots occupied once it was granted
         # False once the provider refused its request, or its body was cancelled or failed:
         # its release then tells nothing of the provider's room (no climb, no backoff reset).
         self.succeeded = True
@@ -275,8 +291,18 @@ class LimiterState:
         self.active[workload] = held + 1
         # _grant(), inlined, without a ticket: this is the path of every uncontended slot.
         lease_id = f"{self._prefix}-{next(self._lease_seq)}"
-        epoch = 0 if self.aimd is None else self.aimd.epoch
-        record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether, epoch)
+        aimd = self.aimd
+        if aimd is None:
+            record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether, 0)
+        else:
+            record = LeaseRecord(
+                lease_id,
+                workload,
+                now + self.lease_ttl,
+                tether,
+                aimd.epoch,
+                occupied(rules, self.active),
+            )
         self.leases[lease_id] = record
         heapq.heappush(expiries, (record.expires_at, lease_id))
         return record
@@ -355,7 +381,7 @@ class LimiterState:
         if record.succeeded:
             self._backoffs = 0
             if self.aimd is not None:
-                new = self.aimd.success(record.epoch, busy)
+                new = self.aimd.success(record.epoch, busy, record.tried)
                 if new is not None:
                     self._set_limit(new)
         return self._allocate(now) if self.queued else []
@@ -571,10 +597,20 @@ class LimiterState:
             self.shared_used += 1
         self.active[workload] = held + 1
         lease_id = f"{self._prefix}-{next(self._lease_seq)}"
-        epoch = 0 if self.aimd is None else self.aimd.epoch
         holder = ticket.holder
         tether = None if holder is None else weakref.ref(holder)
-        record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether, epoch)
+        aimd = self.aimd
+        if aimd is None:
+            record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether, 0)
+        else:
+            record = LeaseRecord(
+                lease_id,
+                workload,
+                now + self.lease_ttl,
+                tether,
+                aimd.epoch,
+                occupied(self.rules, self.active),
+            )
         self.leases[lease_id] = record
         heapq.heappush(self._expiries, (record.expires_at, lease_id))
         ticket.lease = record
@@ -717,6 +753,7 @@ def readapt(
         limit=limit,
         epoch=epoch,
         slow_start=aimd is not None and aimd.slow_start,  # a slow start goes on
+        proven=0 if aimd is None else aimd.proven,
     )
     return aimd, attrs.evolve(rules, max_concurrent=limit)
 

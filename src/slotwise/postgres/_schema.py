@@ -28,6 +28,7 @@ __all__ = ("NEWEST_COLUMN", "NEWEST_TABLE", "channel_name", "schema_ddl", "schem
 #   queue.tokens             the request's token estimate, charged at grant
 #   queue.waited_for         the buckets the request has had to wait for
 #   leases.epoch             the adaptive limit's epoch when the lease was granted
+#   leases.tried             with an adaptive limit: the slots occupied once it was granted
 #   leases.throttled         the provider refused the lease's request
 #   leases.waited_for        what held the request back ("pause" included)
 _DDL = """\
@@ -80,11 +81,12 @@ ALTER TABLE {schema}.queue
 ALTER TABLE {schema}.leases
     ADD COLUMN IF NOT EXISTS epoch bigint NOT NULL DEFAULT 0,
     ADD COLUMN IF NOT EXISTS throttled boolean NOT NULL DEFAULT false,
-    ADD COLUMN IF NOT EXISTS waited_for text[] NOT NULL DEFAULT '{{}}';
+    ADD COLUMN IF NOT EXISTS waited_for text[] NOT NULL DEFAULT '{{}}',
+    ADD COLUMN IF NOT EXISTS tried integer NOT NULL DEFAULT 0;
 """
 
 # The last column and the last table added: a schema that has both is current.
-NEWEST_COLUMN = ("leases", "waited_for")
+NEWEST_COLUMN = ("leases", "tried")
 NEWEST_TABLE = "owners"
 
 

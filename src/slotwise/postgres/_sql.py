@@ -125,7 +125,7 @@ class Queries:
                 WHERE limiter = %(name)s
                   AND (expires_at <= clock_timestamp() OR lease_id = ANY(%(release)s::uuid[])
                        OR (entry_id = ANY(%(withdraw)s::uuid[]) AND owner = %(owner)s::uuid))
-                RETURNING lease_id, epoch, throttled, workload
+                RETURNING lease_id, epoch, throttled, workload, tried
             ), stale AS (
                 DELETE FROM {s}.queue
                 WHERE limiter = %(name)s
@@ -145,7 +145,8 @@ class Queries:
             )
             SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM stale),
                    (SELECT count(*) FROM beat), (SELECT count(*) FROM dead),
-                   (SELECT json_agg(json_build_array(epoch, throttled, lease_id, workload)
+                   (SELECT json_agg(json_build_array(epoch, throttled, lease_id, workload,
+                                                     tried)
                                     ORDER BY array_position(%(release)s::uuid[], lease_id))
                     FROM gone WHERE lease_id = ANY(%(release)s::uuid[]))
             """
@@ -217,19 +218,20 @@ class Queries:
             """
             WITH g AS (
                 SELECT * FROM unnest(%(entries)s::uuid[], %(leases)s::uuid[],
-                                     %(waited)s::text[])
-                    AS g(entry_id, lease_id, waited)
+                                     %(waited)s::text[], %(tried)s::int[])
+                    AS g(entry_id, lease_id, waited, tried)
             ), d AS (
                 DELETE FROM {s}.queue q USING g
                 WHERE q.entry_id = g.entry_id AND q.limiter = %(name)s
                 RETURNING q.entry_id, g.lease_id, q.workload, q.owner, q.request_id,
-                          q.lease_ttl, g.waited
+                          q.lease_ttl, g.waited, g.tried
             ), i AS (
                 INSERT INTO {s}.leases (lease_id, limiter, workload, owner, entry_id,
-                                        request_id, granted_at, expires_at, epoch, waited_for)
+                                        request_id, granted_at, expires_at, epoch, waited_for,
+                                        tried)
                 SELECT lease_id, %(name)s, workload, owner, entry_id, request_id,
                        clock_timestamp(), clock_timestamp() + make_interval(secs => lease_ttl),
-                       %(epoch)s, ARRAY(SELECT jsonb_array_elements_text(waited::jsonb))
+                       %(epoch)s, ARRAY(SELECT jsonb_array_elements_text(waited::jsonb)), tried
                 FROM d
                 RETURNING entry_id, lease_id, workload, owner, expires_at
             ), n AS (

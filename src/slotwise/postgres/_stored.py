@@ -71,6 +71,7 @@ class Pace:
                 epoch=int(stored.get("epoch", 0)),
                 credit=float(stored.get("credit", 0.0)),
                 slow_start=slow_start,
+                proven=int(stored.get("proven", 0)),
             )
         return cls(
             bank=bank,
@@ -112,6 +113,7 @@ class Pace:
                     "epoch": self.aimd.epoch,
                     "credit": self.aimd.credit,
                     "slow_start": self.aimd.slow_start,
+                    "proven": self.aimd.proven,
                 }
             ),
         }

@@ -505,16 +505,16 @@ class Transactions(BuiltinLimiter[W]):
                 pace.bank.learn(item.kind, item.limit, now)
             else:
                 pace.bank.observe(item.kind, item.remaining, now)
-        # [epoch, throttled, lease_id, workload] of each lease released here, in the order
-        # given.
+        # [epoch, throttled, lease_id, workload, tried] of each lease released here, in the
+        # order given.
         released = swept_row[-1] or ()
         # The slots occupied as these were released (what is held now, themselves, and the
         # reservations not in use), for an adaptive limit.
         held = dict(active_rows or {})
-        for *_, workload in released:
+        for _, _, _, workload, _ in released:
             held[workload] = held.get(workload, 0) + 1
         busy = occupied(settings.rules, held)
-        for epoch, throttled, lease_id, _ in released:
+        for epoch, throttled, lease_id, _, tried in released:
             if throttled or lease_id in failed:
                 continue
             # A success: the backoff starts again from a second; an adaptive limit climbs.
@@ -522,11 +522,12 @@ class Transactions(BuiltinLimiter[W]):
                 pace.backoffs = 0
                 pace.dirty = True
             if pace.aimd is not None:
-                old_limit, credit = pace.aimd.limit, pace.aimd.credit
-                new_limit = pace.aimd.success(int(epoch), busy)
-                pace.dirty = pace.dirty or new_limit is not None or pace.aimd.credit != credit
+                before = (pace.aimd.limit, pace.aimd.credit, pace.aimd.proven)
+                new_limit = pace.aimd.success(int(epoch), busy, int(tried))
+                after = (pace.aimd.limit, pace.aimd.credit, pace.aimd.proven)
+                pace.dirty = pace.dirty or after != before
                 if new_limit is not None:
-                    changes.append((old_limit, new_limit, "recovered"))
+                    changes.append((before[0], new_limit, "recovered"))
 
         active = dict(active_rows or {})
         # Leases of a workload these limits do not have (another process had other limits,
@@ -631,6 +632,13 @@ class Transactions(BuiltinLimiter[W]):
             # Not fetched: the grant, its notification and the commit go in one round trip.
             # The other processes learn from the notification (sent at commit) to look.
             lease_ids = [str(uuid.uuid4()) for _ in grants]
+            # With an adaptive limit, the slots occupied once each was granted, in turn.
+            tried = [0] * len(grants)
+            if pace.aimd is not None:
+                counts = dict(active)
+                for i, entry in enumerate(grants):
+                    counts[entry.workload] = counts.get(entry.workload, 0) + 1
+                    tried[i] = occupied(rules, counts)
             await conn.execute(
                 q.grant,
                 {
@@ -638,6 +646,7 @@ class Transactions(BuiltinLimiter[W]):
                     "entries": [e.entry_id for e in grants],
                     "leases": lease_ids,
                     "waited": [json.dumps(waited_for.get(e.entry_id, ())) for e in grants],
+                    "tried": tried,
                     "epoch": 0 if pace.aimd is None else pace.aimd.epoch,
                     "owner": self._owner,
                     "channel": self._channel,
