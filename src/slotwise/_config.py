@@ -79,7 +79,9 @@ class Adaptive:
     requests as the effective limit (one round trip), it climbs by one slot. A success counts
     only if at least half the limit was occupied when it ended (held, or reserved and unused):
     a limit that the rate buckets or the demand keep from being reached says nothing of the
-    room above it. It stays between
+    room above it. Nor does it climb more than one slot above what the provider has been
+    seen to take: a climb needs the success of a request granted with the limit full (since
+    the last decrease), so only one slot at a time is tried above it. It stays between
     `min_concurrent` and the limiter's `max_concurrent`, and shrinking never revokes a held
     slot: new grants wait until fewer are active than the new limit.
 
@@ -88,10 +90,11 @@ class Adaptive:
             shared capacity shrinks first).
         backoff: The factor applied on pushback, between 0 and 1.
         slow_start: Start at `min_concurrent` rather than at `max_concurrent`, and climb by
-            one slot on every success (the limit doubles each round trip) until the first
-            pushback, then as above: for a `max_concurrent` that may be above what the
-            provider takes, so that no more than `min_concurrent` requests reach it before
-            it has answered any.
+            one slot on every success of a request granted with the limit full (about one
+            slot a round trip) until the first pushback, then as above: for a
+            `max_concurrent` that may be above what the provider takes, so that no more
+            than `min_concurrent` requests reach it before it has answered any, and finding
+            its limit costs about one refused request.
     """
 
     min_concurrent: int
