@@ -20,6 +20,8 @@ import slotwise._core.rates as core_rates
 from slotwise import Adaptive, ConcurrencyConfigError, MemoryLimiter, Rate
 from slotwise._core.adaptive import Aimd
 from slotwise._core.rates import LEARNED_FOR, Bank, BucketRule
+from slotwise._core.rules import Rules, WorkloadRule
+from slotwise._core.state import LimiterState
 
 pytestmark = pytest.mark.anyio
 
@@ -320,3 +322,69 @@ def test_slow_start_must_be_a_boolean() -> None:
             max_concurrent=4,
             adaptive=Adaptive(min_concurrent=1, slow_start="yes"),  # type: ignore[arg-type]
         )
+
+
+def _adaptive_state(rules: Rules, *, slow_start: bool) -> LimiterState:
+    return LimiterState(
+        rules, max_queued=None, lease_ttl=1e9, adaptive=(2, 0.5), slow_start=slow_start
+    )
+
+
+def _take(state: LimiterState, workload: str, n: int) -> list[str]:
+    leases = [state.submit(workload, 0.0)[0].lease for _ in range(n)]
+    return [lease.lease_id for lease in leases if lease is not None]
+
+
+def test_a_reserved_slot_granted_over_a_lowered_limit_proves_only_the_limit() -> None:
+    # 14 batch slots held, one refused: the limit falls to 8 while the 14 are still held. The
+    # chat workload's reserved slot is still granted (a reservation is never lent); its
+    # success must prove 8, not the 16 occupied, or the limit would climb back to 16 on
+    # demand that never fills it.
+    rules = Rules(
+        max_concurrent=16,
+        workloads={
+            "chat": WorkloadRule(ceiling=16, reserved=2, priority=0),
+            "batch": WorkloadRule(ceiling=16, reserved=0, priority=0),
+        },
+    )
+    state = _adaptive_state(rules, slow_start=False)
+    batch = _take(state, "batch", 14)
+    assert len(batch) == 14
+    state.throttle(batch[0], 0.0, 0.0, 0.0)
+    assert state.rules.max_concurrent == 8
+    chat = state.submit("chat", 0.0)[0].lease
+    assert chat is not None
+    assert chat.tried == 8
+    state.release(chat.lease_id, 0.0)
+    for lease_id in batch:
+        state.not_succeeded(lease_id)
+        state.release(lease_id, 0.0)
+    assert state.aimd is not None
+    assert state.aimd.proven == 8
+    # Waves that leave one slot of the limit free: one climb, to 9, and no more.
+    for _ in range(100):
+        for lease_id in reversed(_take(state, "batch", state.rules.max_concurrent - 3)):
+            state.release(lease_id, 0.0)
+    assert state.rules.max_concurrent == 9
+
+
+def test_a_grant_withdrawn_before_its_holder_resumed_is_no_success() -> None:
+    # A waiter cancelled after its grant never sent its request: taking the slot back must
+    # neither climb the limit nor count as proof of what the provider takes.
+    rules = Rules(
+        max_concurrent=16, workloads={"default": WorkloadRule(ceiling=16, reserved=0, priority=0)}
+    )
+    state = _adaptive_state(rules, slow_start=True)
+    for _ in range(6):
+        held = _take(state, "default", state.rules.max_concurrent)
+        waiter, _ = state.submit("default", 0.0)
+        assert waiter.lease is None
+        for lease_id in held:
+            state.not_succeeded(lease_id)
+        assert state.release(held[0], 0.0) == [waiter]
+        state.withdraw(waiter, 0.0)
+        for lease_id in held[1:]:
+            state.release(lease_id, 0.0)
+    assert state.rules.max_concurrent == 2
+    assert state.aimd is not None
+    assert state.aimd.proven == 0

@@ -18,7 +18,15 @@ import attrs
 
 from .rates import Bank, BucketRule, Cost
 
-__all__ = ("Rules", "WorkloadRule", "allocate", "has_room", "occupied", "shared_in_use")
+__all__ = (
+    "Rules",
+    "WorkloadRule",
+    "allocate",
+    "has_room",
+    "occupied",
+    "shared_in_use",
+    "slots_tried",
+)
 
 E = TypeVar("E")
 
@@ -62,6 +70,13 @@ def occupied(rules: Rules, active: Mapping[str, int]) -> int:
         max(0, rule.reserved - active.get(name, 0)) for name, rule in rules.workloads.items()
     )
     return sum(active.values()) + unused
+
+
+def slots_tried(rules: Rules, active: Mapping[str, int]) -> int:
+    """What a grant tries of the provider, for an adaptive limit: the slots occupied once it
+    was granted (`occupied`), at most the limit in force. A reserved slot may be granted while
+    leases from before a decrease still fill the limit; its success proves only the limit."""
+    return min(occupied(rules, active), rules.max_concurrent)
 
 
 def has_room(

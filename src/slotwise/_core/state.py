@@ -24,7 +24,7 @@ import attrs
 from .._errors import ConcurrencyConfigError, ConcurrencyQueueFullError
 from .adaptive import Aimd, backoff_delay
 from .rates import Bank, Cost
-from .rules import Rules, WorkloadRule, allocate, has_room, occupied
+from .rules import Rules, WorkloadRule, allocate, has_room, occupied, slots_tried
 
 __all__ = (
     "LeaseRecord",
@@ -301,7 +301,7 @@ class LimiterState:
                 now + self.lease_ttl,
                 tether,
                 aimd.epoch,
-                occupied(rules, self.active),
+                slots_tried(rules, self.active),
             )
         self.leases[lease_id] = record
         heapq.heappush(expiries, (record.expires_at, lease_id))
@@ -348,6 +348,8 @@ class LimiterState:
         its claim on the limiter's buckets (a waiting head short of a bucket holds back
         every request after it in serving order that draws from that bucket)."""
         if ticket.lease is not None:
+            # Granted, never used: its release is no success (no climb, no backoff reset).
+            ticket.lease.succeeded = False
             return self.release(ticket.lease.lease_id, now)
         queue = self.queues.get(ticket.workload)  # gone when reconfigure() refused it
         if queue is not None and queue.pop(ticket.seq, None) is not None:
@@ -609,7 +611,7 @@ class LimiterState:
                 now + self.lease_ttl,
                 tether,
                 aimd.epoch,
-                occupied(self.rules, self.active),
+                slots_tried(self.rules, self.active),
             )
         self.leases[lease_id] = record
         heapq.heappush(self._expiries, (record.expires_at, lease_id))

@@ -24,7 +24,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .._base import BuiltinLimiter
 from .._config import Settings
-from .._core.rules import occupied
+from .._core.rules import occupied, slots_tried
 from .._core.state import (
     allocate_paced,
     carry_over,
@@ -638,7 +638,7 @@ class Transactions(BuiltinLimiter[W]):
                 counts = dict(active)
                 for i, entry in enumerate(grants):
                     counts[entry.workload] = counts.get(entry.workload, 0) + 1
-                    tried[i] = occupied(rules, counts)
+                    tried[i] = slots_tried(rules, counts)
             await conn.execute(
                 q.grant,
                 {
