@@ -394,8 +394,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
             limit = state.rules.max_concurrent
             granted = state.release(lease.lease_id, self._clock())
             climbed = state.aimd is not None and state.rules.max_concurrent != limit
-            if not granted and not climbed and not state.timed:
-                return
+            if not granted and not climbed and (not self._watchers.alarms or not state.timed):
+                return  # nothing to wake: no grant, and no clock watch to move earlier
             wakers = self._settle(granted)
         _wake(wakers)
         if climbed:

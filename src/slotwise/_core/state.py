@@ -169,6 +169,7 @@ class LimiterState:
         self.shared_used = 0  # shared_in_use(rules, active), kept up to date
         # (expires_at, lease_id); stale entries (renewed or released leases) are skipped.
         self._expiries: list[tuple[float, str]] = []
+        self._compact_at = 64  # the heap's size that triggers its next rebuild (_compact)
         self._seq = itertools.count()
         # A per-state prefix keeps lease ids unique across limiters and restarts.
         self._prefix = secrets.token_hex(6)
@@ -371,14 +372,14 @@ class LimiterState:
             return []
         # An adaptive limit counts a success only with half the limit occupied (this one too).
         busy = (
-            occupied(self.rules, self.active) if record.succeeded and self.aimd is not None else 0
+            occupied(self.rules, self.active) if self.aimd is not None and record.succeeded else 0
         )
         workload = record.workload  # _drop(), inlined: the path of every release
         held = self.active[workload] - 1
         self.active[workload] = held
         if held >= self.rules.workloads[workload].reserved:
             self.shared_used -= 1
-        if len(self._expiries) > 2 * len(self.leases) + 64:
+        if len(self._expiries) > self._compact_at:
             self._compact()
         if record.succeeded:
             self._backoffs = 0
@@ -404,7 +405,8 @@ class LimiterState:
             return None
         record.expires_at = now + self.lease_ttl
         heapq.heappush(self._expiries, (record.expires_at, lease_id))
-        self._compact()
+        if len(self._expiries) > self._compact_at:
+            self._compact()
         return record
 
     def tick(self, now: float) -> list[Ticket]:
@@ -624,11 +626,11 @@ class LimiterState:
 
     def _compact(self) -> None:
         # Released and renewed leases leave stale entries in the expiry heap; rebuilding it
-        # once they outnumber the live ones keeps it O(leases) at O(1) amortized cost.
-        if len(self._expiries) <= 2 * len(self.leases) + 64:
-            return
+        # once it holds twice the live leases (and 64) keeps it O(leases) at O(1) amortized
+        # cost: the next rebuild waits until as many entries again have been pushed.
         self._expiries = [(r.expires_at, r.lease_id) for r in self.leases.values()]
         heapq.heapify(self._expiries)
+        self._compact_at = 2 * len(self.leases) + 64
 
     def _drop(self, record: LeaseRecord) -> None:
         held = self.active[record.workload] - 1

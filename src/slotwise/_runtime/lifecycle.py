@@ -251,7 +251,9 @@ class Slot:
     _renewed_at: float
     _ttl: float
 
-    def __init__(self, limiter: Any, run: Run | None, loop: Loop | None = None) -> None:
+    def __init__(
+        self, limiter: Any, run: Run | None, loop: Loop | None = None, tokens: int = 0
+    ) -> None:
         self.limiter = limiter
         self._run = run
         self._number = 0  # numbered when its id is first asked for (events, errors)
@@ -267,7 +269,7 @@ class Slot:
         self._frame: Any = None  # the async generator frame that entered it, if one did
         self._token: Any = None  # its entry in the nested-slot guard (a ContextVar token)
         self._keeper: Any = None  # the keeper that renews the lease, if one must
-        self._tokens = 0  # the tokens charged for it: the estimate, then what was used
+        self._tokens = tokens  # the tokens charged for it: the estimate, then what was used
 
     @property
     def limiter_name(self) -> str:
@@ -656,16 +658,22 @@ def _take_at_once(slot: Slot, loop: Loop) -> bool:
     try:
         lease = cls._take_nowait(limiter, slot.workload, loop, weakref.ref(slot), slot._tokens)
     except BaseException as exc:
-        if _fatal(exc):
-            raise
-        if dispatch._subscriptions and dispatch.wants(limiter):
-            run = slot._run
-            _wait_started(slot, loop.clock(), run.deadline_on(loop) if run is not None else None)
-        _failed(slot, exc, 0.0, False, loop.cancelled)
+        _refused_at_once(slot, loop, exc)
     if lease is None:
         return False
     slot.lease = lease
     return True
+
+
+def _refused_at_once(slot: Slot, loop: Loop, exc: BaseException) -> NoReturn:
+    """The take at once raised (a refusal, or the limiter failed): reported and raised as
+    `_wait` reports and raises it."""
+    if _fatal(exc):
+        raise exc
+    if dispatch._subscriptions and dispatch.wants(slot.limiter):
+        run = slot._run
+        _wait_started(slot, loop.clock(), run.deadline_on(loop) if run is not None else None)
+    _failed(slot, exc, 0.0, False, loop.cancelled)
 
 
 def _not_entered(slot: Slot, run: Run | None, loop: Loop, exc: BaseException) -> NoReturn:
@@ -848,10 +856,15 @@ def _request(
             return Slot(None, run), run
     if workload is None and run is not None and run.limiter is limiter:
         workload = run.workload
-    slot = Slot(limiter, run, loop)
-    slot._tokens = tokens or 0
+    slot = Slot(limiter, run, loop, tokens or 0)
     try:
-        slot.workload = _resolve(limiter, workload)
+        # The workload, resolved by the limiter when it can (a built-in one checks it).
+        validate = getattr(limiter, "validate_workload", None)
+        if validate is not None:
+            resolved = validate(workload)
+            slot.workload = resolved if type(resolved) is str else str(resolved)
+        else:
+            slot.workload = DEFAULT_WORKLOAD if workload is None else str(workload)
         held = _holding.get()
         if (
             held
@@ -956,13 +969,6 @@ def _budget_ended(run: Run | None, loop: Loop) -> bool:
     return deadline is not None and loop.clock() >= deadline
 
 
-def _resolve(limiter: Any, workload: str | None) -> str:
-    validate = getattr(limiter, "validate_workload", None)
-    if validate is not None:
-        return str(validate(workload))
-    return DEFAULT_WORKLOAD if workload is None else str(workload)
-
-
 def _max_wait(limiter: Any, workload: str) -> float | None:
     workloads = getattr(limiter, "workloads", None)
     if isinstance(workloads, Mapping):
@@ -1063,20 +1069,30 @@ class SlotContext(Generic[W]):
         # acquire(), inlined: one coroutine less on the path of every provider request.
         loop = self._loop or current() or require()
         slot, run = _request(self._workload, self._limiter, self._allow_nested, loop, self._tokens)
-        if slot.limiter is None:
+        limiter = slot.limiter
+        if limiter is None:
             await loop.turn()
             return slot
-        if _take_at_once(slot, loop):
+        cls = type(limiter)
+        lease = None
+        if cls in _tethering:  # _take_at_once(), inlined: the path of every uncontended slot
+            try:
+                lease = cls._take_nowait(
+                    limiter, slot.workload, loop, weakref.ref(slot), slot._tokens
+                )
+            except BaseException as exc:
+                _refused_at_once(slot, loop, exc)
+        if lease is not None:
+            slot.lease = lease
             try:
                 await loop.turn()
             except BaseException as exc:
                 _not_entered(slot, run, loop, exc)
-            try:  # _hold(), inlined: the path of every uncontended slot
-                _entered(slot, run, loop, None)
-            except BaseException:  # a subscriber's KeyboardInterrupt: nobody holds it
-                slot.release_sync("cancelled")
-                raise
-        elif type(slot.limiter) in _tethering:
+            if dispatch._subscriptions and dispatch.wants(limiter):
+                _hold(slot, run, loop, None)  # the events; a subscriber's raise releases it
+            else:
+                slot._acquired_at = loop.clock()  # _entered(), without events
+        elif cls in _tethering:
             # _wait(), inlined for a limiter that ties leases to slots: a waiting request
             # keeps one coroutine frame less alive (and this frame few locals).
             start = _wait_begins(slot, run, loop)

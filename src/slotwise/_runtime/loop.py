@@ -20,7 +20,8 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+import types
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 import anyio
@@ -118,8 +119,11 @@ class Loop:
 # -- asyncio ----------------------------------------------------------------------------------
 
 
-def _sleep0() -> Awaitable[None]:
-    return asyncio.sleep(0)
+@types.coroutine
+def _sleep0() -> Generator[None, None, None]:
+    # asyncio.sleep(0) without its two frames: a bare yield is how asyncio's own sleep(0)
+    # gives the loop one turn (the task reschedules itself; a cancellation raises here).
+    yield
 
 
 def _set_future(future: asyncio.Future[None]) -> None:
