@@ -177,6 +177,7 @@ class LimiterState:
         # Buckets start full: as if they had been refilling forever.
         self.bank = Bank(rules.buckets, -math.inf)
         self.paused_until = -math.inf  # no grant before this time
+        self.timed = False  # bank.buckets or a pause (`_retime`)
         self._refill_at = math.inf  # when a head blocked by buckets can have them
         self._backoffs = 0  # pauses without a retry-after since the last success
         # The effective limit, when it follows pushback: rules.max_concurrent is its value.
@@ -191,11 +192,13 @@ class LimiterState:
                 slow_start=slow_start,
             )
             self._set_limit(self.aimd.limit)
+        self._retime()
 
-    @property
-    def timed(self) -> bool:
-        """Whether time alone can grant something (rate buckets, or a pause)."""
-        return bool(self.bank.buckets) or self.paused_until != _NEVER
+    def _retime(self) -> None:
+        """Set `timed` after the buckets or the pause changed."""
+        # Whether time alone can grant something (rate buckets, or a pause): a field, not a
+        # property, as every request and release asks it.
+        self.timed = bool(self.bank.buckets) or self.paused_until != _NEVER
 
     # -- requests -------------------------------------------------------------------------
 
@@ -273,12 +276,7 @@ class LimiterState:
         caller then submits it). Only the plain case: nobody of its workload queued ahead,
         no lease to sweep, no rate bucket and no pause to consult."""
         expiries = self._expiries
-        if (
-            self.bank.buckets
-            or self.paused_until != _NEVER
-            or self.queues[workload]
-            or (expiries and expiries[0][0] <= now)
-        ):
+        if self.timed or self.queues[workload] or (expiries and expiries[0][0] <= now):
             return None
         rules = self.rules
         rule = rules.workloads[workload]
@@ -414,14 +412,10 @@ class LimiterState:
         pause that has ended."""
         expiries = self._expiries
         due = bool(expiries) and expiries[0][0] <= now
-        # self.timed and self.paused(now), inlined: this runs at every request.
+        # self.paused(now), inlined: this runs at every request.
         paused_until = self.paused_until
         ended = _NEVER < paused_until <= now
-        if (
-            (self.bank.buckets or paused_until != _NEVER)
-            and self.queued
-            and (due or self._refill_at <= now or ended)
-        ):
+        if self.timed and self.queued and (due or self._refill_at <= now or ended):
             self.expire(now, allocate=False)
             granted = self._allocate(now)
         else:
@@ -466,6 +460,7 @@ class LimiterState:
     def unpause(self) -> None:
         """Forget a pause that has ended (after the grants it held back were made)."""
         self.paused_until = -math.inf
+        self._retime()
 
     def throttle(
         self, lease_id: str | None, retry_after: float | None, now: float, jitter: float
@@ -476,6 +471,7 @@ class LimiterState:
         self.paused_until, self._backoffs = pause(
             self.paused_until, self._backoffs, retry_after, now, jitter
         )
+        self._retime()
         record = self.leases.get(lease_id) if lease_id is not None else None
         change = None
         if record is not None:
@@ -531,6 +527,7 @@ class LimiterState:
             max(0, held - rules.workloads[name].reserved) for name, held in self.active.items()
         )
         self.bank = carry_over(self.bank, rules, now)
+        self._retime()
         refused += self._refuse_oversized()
         return self._allocate(now), refused
 
@@ -559,12 +556,14 @@ class LimiterState:
         self.bank = Bank(self.rules.buckets, -math.inf)
         self.paused_until = -math.inf
         self._refill_at = math.inf
+        self._retime()
 
     def clear(self) -> None:
         """Drop every lease and waiter: the shell knows none of them can ever be used."""
         self.bank = Bank(self.rules.buckets, -math.inf)
         self.paused_until = -math.inf
         self._refill_at = math.inf
+        self._retime()
         self.leases.clear()
         for queue in self.queues.values():
             queue.clear()
@@ -644,7 +643,7 @@ class LimiterState:
         queues = self.queues
         # Only the workloads that wait: with one, allocate() takes its heads without choosing.
         views = self._views if len(queues) == 1 else {w: q.values() for w, q in queues.items() if q}
-        if self.bank.buckets or self.paused_until != _NEVER:
+        if self.timed:
             granted, self._refill_at = allocate_paced(
                 self.rules,
                 self.active,

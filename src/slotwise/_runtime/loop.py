@@ -176,6 +176,22 @@ def _anyio_task_states() -> Any:
 _task_states = _anyio_task_states()
 
 
+def _current_task_lookup() -> Callable[[asyncio.AbstractEventLoop], asyncio.Task[Any] | None]:
+    """The running task of a loop: asyncio's own table of them, read directly where it is a
+    dict (asyncio.current_task() in Python 3.11 is a Python function that looks the loop up
+    again), else asyncio.current_task()."""
+    tasks = getattr(asyncio.tasks, "_current_tasks", None)
+    current_task = asyncio.current_task
+    if type(tasks) is dict and isinstance(current_task, types.FunctionType):
+        # Only while current_task() is that Python function, reading that table: in later
+        # versions it is asyncio's C function (as fast), and the table may be left unused.
+        return tasks.get
+    return current_task
+
+
+_current_task = _current_task_lookup()
+
+
 class AsyncioLoop(Loop):
     __slots__ = ("loop",)
 
@@ -197,7 +213,7 @@ class AsyncioLoop(Loop):
     async def checkpoint_if_cancelled(self) -> None:
         # anyio's checkpoint_if_cancelled() (its cancel scopes), and a native task.cancel(),
         # with one look-up of the task.
-        task = asyncio.current_task()
+        task = _current_task(self.loop)
         if task is None:
             return
         if task.cancelling():  # a native task.cancel()
