@@ -632,18 +632,24 @@ class MemoryLimiter(BuiltinLimiter[W]):
                 wakers.append(waker)
             lease = ticket.lease
             if lease is not None:
-                soonest = min(soonest, lease.expires_at)
+                if lease.expires_at < soonest:
+                    soonest = lease.expires_at
                 # A granted watcher may not resume soon (its loop may be stalled): hand its
                 # watch to another waiter of its thread now.
-                wakers += [t.waker for t in watchers.leave(ticket) if t.waker is not None]
+                for successor in watchers.leave(ticket):
+                    if successor.waker is not None:
+                        wakers.append(successor.waker)
         state = self._state
         if state.timed:
             # A head may now wait for a bucket to refill: the clock watch must ring then.
             wake = state.next_wake(self._clock())
             if wake is not None:
                 soonest = min(soonest, wake)
-        if soonest != math.inf and watchers.alarms:
-            wakers += watchers.earlier(soonest)
+        if soonest != math.inf:
+            for alarm in watchers.alarms.values():
+                if soonest < alarm:  # a watcher to wake earlier: the usual grant has none
+                    wakers += watchers.earlier(soonest)
+                    break
         return wakers
 
     def _epoch(self, moment: float, now: float) -> float:

@@ -1075,6 +1075,7 @@ class SlotContext(Generic[W]):
             return slot
         cls = type(limiter)
         lease = None
+        start: float | None = None  # when the request began to wait; None: it did not
         if cls in _tethering:  # _take_at_once(), inlined: the path of every uncontended slot
             try:
                 lease = cls._take_nowait(
@@ -1088,21 +1089,21 @@ class SlotContext(Generic[W]):
                 await loop.turn()
             except BaseException as exc:
                 _not_entered(slot, run, loop, exc)
-            if dispatch._subscriptions and dispatch.wants(limiter):
-                _hold(slot, run, loop, None)  # the events; a subscriber's raise releases it
-            else:
-                slot._acquired_at = loop.clock()  # _entered(), without events
         elif cls in _tethering:
             # _wait(), inlined for a limiter that ties leases to slots: a waiting request
             # keeps one coroutine frame less alive (and this frame few locals).
-            start = _wait_begins(slot, run, loop)
+            start = _wait_begins(slot, run, loop) if dispatch._subscriptions else loop.clock()
             try:
                 slot.lease = await _tethered_wait(slot, loop)
             except BaseException as exc:
                 _wait_failed(slot, run, loop, start, exc)
-            _hold(slot, run, loop, start)
         else:
-            await _wait(slot, run, loop)
+            await _wait(slot, run, loop)  # which reports the entry itself
+        if cls in _tethering:
+            if dispatch._subscriptions and dispatch.wants(limiter):
+                _hold(slot, run, loop, start)  # the events; a subscriber's raise releases it
+            else:
+                slot._acquired_at = loop.clock()  # _entered(), without events
         # _enter(), inlined.
         slot._context = self
         slot._token = _holding.set((*_holding.get(), slot))

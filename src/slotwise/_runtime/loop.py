@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = (
 
 _get_running_loop = asyncio._get_running_loop  # None outside a running loop; no exception
 _ident = threading.get_ident
+_ref = weakref.ref
 
 
 class Waker:
@@ -163,14 +165,19 @@ def _start_asyncio(loop: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[N
     task.add_done_callback(_background.discard)
 
 
-def _anyio_task_states() -> Any:
-    """anyio's cancel scope state of each asyncio task (a mapping), or None if anyio's
-    internals moved: the cancellation check then calls anyio's public function."""
+def _anyio_task_states() -> dict[Any, Any] | None:
+    """anyio's cancel scope state of each asyncio task: the dict inside its
+    WeakKeyDictionary, keyed by weak references to the tasks (read without the mapping's
+    own Python-level get()), or None if anyio's internals moved: the cancellation check
+    then calls anyio's public function."""
     try:
         from anyio._backends._asyncio import _task_states
     except Exception:
         return None
-    return _task_states if callable(getattr(_task_states, "get", None)) else None
+    if not isinstance(_task_states, weakref.WeakKeyDictionary):
+        return None
+    data = vars(_task_states).get("data")
+    return data if type(data) is dict else None
 
 
 _task_states = _anyio_task_states()
@@ -222,7 +229,7 @@ class AsyncioLoop(Loop):
         if _task_states is None:
             await anyio.lowlevel.checkpoint_if_cancelled()
             return
-        state = _task_states.get(task)
+        state = _task_states.get(_ref(task))
         scope = None if state is None else state.cancel_scope
         while scope is not None:
             if scope.cancel_called:
