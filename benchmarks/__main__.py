@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from . import allocation, cancellation, handoff, memory, sync, tools, uncontended
-from ._harness import ANYIO, FULL, SLOTWISE, TINY, Row, Size, cpu_model
+from ._harness import ANYIO, FULL, SLOTWISE, TINY, Row, Size, cpu_model, format_table
 from .memory import BARE
 
 MEMORY_OVER_PARKED = 800  # bytes a waiting request may add to a task that waits anyway
@@ -68,40 +68,6 @@ def with_ratios(rows: list[Row]) -> list[Row]:
         attrs.evolve(row, ratio=references[row.group].value / row.value if row.value else None)
         for row in rows
     ]
-
-
-def _figure(value: float) -> str:
-    if value >= 100:
-        return f"{value:,.0f}"
-    return f"{value:,.2f}"
-
-
-def format_table(rows: Sequence[Row]) -> str:
-    """One section's rows as an aligned text table."""
-    header = ("backend", "peer", "N", "figure", "unit", "slotwise / peer", "")
-    lines = [
-        (
-            row.backend,
-            row.peer,
-            f"{row.n:,}",
-            _figure(row.value),
-            row.unit,
-            f"{row.ratio:.2f}x" if row.ratio is not None else "-",
-            row.extra,
-        )
-        for row in rows
-    ]
-    widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
-    right = {2, 3, 5}
-
-    def fmt(cells: Sequence[str]) -> str:
-        return "  ".join(
-            cell.rjust(width) if i in right else cell.ljust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
-    rule = "  ".join("-" * width for width in widths).rstrip()
-    return "\n".join([fmt(header), rule, *(fmt(cells) for cells in lines)])
 
 
 @attrs.frozen(kw_only=True)
@@ -208,8 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m benchmarks",
         description="Measure slotwise beside its peers, in one run, with ratios and targets.",
         epilog="On their own: python -m benchmarks.rates (429s and capacity used against a "
-        "fake provider with RPM, TPM and concurrency limits, about 7 minutes) and "
-        "python benchmarks/postgres_load.py (PostgresLimiter under load).",
+        "fake provider with RPM, TPM and concurrency limits, about 7 minutes), "
+        "python -m benchmarks.floor (the least a limiter with slotwise's duties costs, beside "
+        "anyio, about 1 minute) and python benchmarks/postgres_load.py (PostgresLimiter under "
+        "load).",
     )
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument(

@@ -12,7 +12,7 @@ import gc
 import itertools
 import platform
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import Any
 
@@ -37,6 +37,7 @@ __all__ = (
     "best",
     "clock",
     "cpu_model",
+    "format_table",
     "in_task_tree",
     "no_gc",
     "peers_for",
@@ -323,3 +324,43 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def _figure(value: float) -> str:
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:,.2f}"
+
+
+def format_table(
+    rows: Sequence[Row], *, ratio: str = "slotwise / peer", sections: bool = False
+) -> str:
+    """Rows as an aligned text table; ``ratio`` heads the ratio's column, and ``sections``
+    adds a column with each row's section."""
+    header = ("backend", *(("section",) if sections else ()), "peer", "N", "figure", "unit")
+    header += (ratio, "")
+    lines = [
+        (
+            row.backend,
+            *((row.section,) if sections else ()),
+            row.peer,
+            f"{row.n:,}",
+            _figure(row.value),
+            row.unit,
+            f"{row.ratio:.2f}x" if row.ratio is not None else "-",
+            row.extra,
+        )
+        for row in rows
+    ]
+    widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
+    first = 3 if sections else 2  # N, the figure and the ratio are right-aligned
+    right = {first, first + 1, first + 3}
+
+    def fmt(cells: Sequence[str]) -> str:
+        return "  ".join(
+            cell.rjust(width) if i in right else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    rule = "  ".join("-" * width for width in widths).rstrip()
+    return "\n".join([fmt(header), rule, *(fmt(cells) for cells in lines)])
