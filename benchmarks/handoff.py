@@ -47,9 +47,14 @@ async def _once(peer: Peer, backend: str, n: int) -> float:
 async def _measure(backend: str, size: Size) -> list[Row]:
     rows = []
     for n in size.handoff:
-        for peer in peers_for(backend):
-            samples = [await _once(peer, backend, n) / n for _ in range(repeats_for(n, size))]
-            per_grant = best(samples)
+        peers = peers_for(backend)
+        # The peers take turns within each repetition (see uncontended).
+        samples: list[list[float]] = [[] for _ in peers]
+        for _ in range(repeats_for(n, size)):
+            for peer, peer_samples in zip(peers, samples, strict=True):
+                peer_samples.append(await _once(peer, backend, n) / n)
+        for peer, peer_samples in zip(peers, samples, strict=True):
+            per_grant = best(peer_samples)
             rows.append(
                 Row(
                     section=SECTION,

@@ -21,27 +21,29 @@ async def _cycles(enter: object, n: int) -> float:
 
 
 async def _measure(backend: str, size: Size) -> list[Row]:
-    rows = []
-    for peer in peers_for(backend, with_trio_limiter=True):
-        limiter = peer.make(8)
-        enter = peer.enter(limiter)
+    peers = peers_for(backend, with_trio_limiter=True)
+    enters = [peer.enter(peer.make(8)) for peer in peers]
+    for enter in enters:
         await _cycles(enter, min(size.cycles, 1_000))  # warm up
-        samples = []
-        for _ in range(size.repeats):
+    # The peers take turns within each repetition: a drift of the machine (its load, its
+    # clock speed) hits them all alike, and each keeps its best.
+    samples: list[list[float]] = [[] for _ in peers]
+    for _ in range(size.repeats):
+        for enter, peer_samples in zip(enters, samples, strict=True):
             with no_gc():
-                samples.append(await _cycles(enter, size.cycles) / size.cycles)
-        rows.append(
-            Row(
-                section=SECTION,
-                backend=backend,
-                peer=peer.name,
-                n=size.cycles,
-                value=best(samples) * 1e6,
-                unit="us/cycle",
-                group=f"{SECTION}/{backend}",
-            )
+                peer_samples.append(await _cycles(enter, size.cycles) / size.cycles)
+    return [
+        Row(
+            section=SECTION,
+            backend=backend,
+            peer=peer.name,
+            n=size.cycles,
+            value=best(peer_samples) * 1e6,
+            unit="us/cycle",
+            group=f"{SECTION}/{backend}",
         )
-    return rows
+        for peer, peer_samples in zip(peers, samples, strict=True)
+    ]
 
 
 def run(size: Size, backends: list[str]) -> list[Row]:
