@@ -85,11 +85,11 @@ class Loop:
         """The loop's clock, as ``anyio.current_time()`` reads it."""
         return self.clock()
 
-    async def checkpoint(self) -> None:
+    def checkpoint(self) -> Awaitable[None]:
         """Yield to the loop once, raising if the task is cancelled."""
         raise NotImplementedError
 
-    async def checkpoint_if_cancelled(self) -> None:
+    def checkpoint_if_cancelled(self) -> Awaitable[None]:
         """Raise if the task is cancelled; yield only then."""
         raise NotImplementedError
 
@@ -214,8 +214,8 @@ class AsyncioLoop(Loop):
         self.thread = _ident()
         self.cancelled = asyncio.CancelledError
 
-    async def checkpoint(self) -> None:
-        await asyncio.sleep(0)
+    def checkpoint(self) -> Awaitable[None]:
+        return _sleep0()
 
     async def checkpoint_if_cancelled(self) -> None:
         # anyio's checkpoint_if_cancelled() (its cancel scopes), and a native task.cancel(),
@@ -263,6 +263,9 @@ class AsyncioLoop(Loop):
 # -- trio -------------------------------------------------------------------------------------
 
 
+_trio_lowlevel: Any = None  # trio.lowlevel, once a TrioLoop exists (trio is optional)
+
+
 class _TrioWaker(Waker):
     """trio.Event without its ParkingLot: one task, set once."""
 
@@ -288,26 +291,28 @@ class _TrioWaker(Waker):
         self._set = True
         if self._task is not None:
             task, self._task = self._task, None
-            sys.modules["trio"].lowlevel.reschedule(task)
+            _trio_lowlevel.reschedule(task)
 
     def _abort(self, _: Any) -> Any:
         self._task = None
-        return sys.modules["trio"].lowlevel.Abort.SUCCEEDED
+        return _trio_lowlevel.Abort.SUCCEEDED
 
-    async def wait(self) -> None:
-        lowlevel = sys.modules["trio"].lowlevel
+    def wait(self) -> Awaitable[None]:
+        """Called by the task that waits: trio's own wait (no coroutine frame of ours),
+        or a checkpoint when woken already."""
         if self._set:
-            await lowlevel.checkpoint()
-            return
-        self._task = lowlevel.current_task()
-        await lowlevel.wait_task_rescheduled(self._abort)
+            return _trio_lowlevel.checkpoint()  # type: ignore[no-any-return]
+        self._task = _trio_lowlevel.current_task()
+        return _trio_lowlevel.wait_task_rescheduled(self._abort)  # type: ignore[no-any-return]
 
 
 class TrioLoop(Loop):
     __slots__ = ("_trio",)
 
     def __init__(self, token: Any) -> None:
+        global _trio_lowlevel
         trio = self._trio = sys.modules["trio"]
+        _trio_lowlevel = trio.lowlevel
         self.identity = token
         self.keeper = None
         self.thread = _ident()
@@ -320,11 +325,11 @@ class TrioLoop(Loop):
         self.clock = clock.current_time  # what trio.current_time() reads, without its checks
         self.turn = trio.lowlevel.checkpoint
 
-    async def checkpoint(self) -> None:
-        await self._trio.lowlevel.checkpoint()
+    def checkpoint(self) -> Awaitable[None]:
+        return _trio_lowlevel.checkpoint()  # type: ignore[no-any-return]
 
-    async def checkpoint_if_cancelled(self) -> None:
-        await self._trio.lowlevel.checkpoint_if_cancelled()
+    def checkpoint_if_cancelled(self) -> Awaitable[None]:
+        return _trio_lowlevel.checkpoint_if_cancelled()  # type: ignore[no-any-return]
 
     def waker(self) -> _TrioWaker:
         return _TrioWaker(self.identity, self.thread)
