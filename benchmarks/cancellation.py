@@ -59,8 +59,14 @@ async def _measure(backend: str, size: Size) -> list[Row]:
     rows = []
     for n in size.cancel:
         repeats = 1 if n > 20_000 else max(1, (size.repeats + 1) // 3)
-        for peer in peers_for(backend):
-            per_cancel = best([await _once(peer, backend, n) for _ in range(repeats)])
+        peers = peers_for(backend)
+        # The peers take turns within each repetition (see uncontended).
+        samples: list[list[float]] = [[] for _ in peers]
+        for _ in range(repeats):
+            for peer, peer_samples in zip(peers, samples, strict=True):
+                peer_samples.append(await _once(peer, backend, n))
+        for peer, peer_samples in zip(peers, samples, strict=True):
+            per_cancel = best(peer_samples)
             rows.append(
                 Row(
                     section=SECTION,

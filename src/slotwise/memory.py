@@ -614,9 +614,12 @@ class MemoryLimiter(BuiltinLimiter[W]):
         return record, waker, until
 
     def _leave(self, ticket: Ticket) -> None:
+        state = self._state
         with self._lock:
-            granted = self._state.withdraw(ticket, self._clock())
+            granted = state.withdraw(ticket, self._clock())
             granted += self._watchers.leave(ticket)
+            if not granted and not state.timed:
+                return  # a waiter withdrawn: nothing to wake, no clock watch to move
             wakers = self._settle(granted)
         _wake(wakers)
 

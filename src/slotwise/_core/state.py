@@ -353,7 +353,7 @@ class LimiterState:
         queue = self.queues.get(ticket.workload)  # gone when reconfigure() refused it
         if queue is not None and queue.pop(ticket.seq, None) is not None:
             self.queued -= 1
-            if self.bank:
+            if self.bank.buckets:
                 # Without buckets a waiter holds nothing back: nobody waits while their
                 # workload has room.
                 return self._allocate(now)

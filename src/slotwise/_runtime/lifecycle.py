@@ -527,7 +527,7 @@ class Slot:
         }
 
     def _emit(self, cls: Any, **fields: Any) -> None:
-        if dispatch.wants(self.limiter):
+        if dispatch._subscriptions and dispatch.wants(self.limiter):
             dispatch.emit(
                 self.limiter, cls(timestamp=time.time(), **self._context_fields(), **fields)
             )
@@ -734,7 +734,7 @@ def _wait_failed(
     """A wait that began at ``start`` ended with ``exc``: report it, raise what the caller
     sees (the run's budget ending is a timeout)."""
     budget_ended = isinstance(exc, _BudgetEnded) or (
-        isinstance(exc, loop.cancelled) and _budget_ended(run, loop)
+        run is not None and isinstance(exc, loop.cancelled) and _budget_ended(run, loop)
     )
     _failed(slot, exc, loop.clock() - start, budget_ended, loop.cancelled)
 
