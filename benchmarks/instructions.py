@@ -1,7 +1,8 @@
 """Instructions per operation, for valgrind's callgrind: figures that do not depend on the load.
 
 One run performs one operation ``n`` times after a warm-up, on asyncio or trio, with slotwise's
-``MemoryLimiter`` or anyio's ``CapacityLimiter`` (limit 8):
+``MemoryLimiter``, anyio's ``CapacityLimiter`` or the floor (``benchmarks.floor``'s
+``FloorLimiter`` with every duty), limit 8:
 
 - ``cycle``: ``async with limiter.slot(): pass`` (``async with limiter:`` for anyio), the
   uncontended cycle, after 200 warm-up cycles;
@@ -47,6 +48,7 @@ import anyio
 from slotwise import MemoryLimiter
 
 from . import tools
+from .floor import FloorLimiter
 
 LIMIT = 8
 
@@ -54,6 +56,8 @@ LIMIT = 8
 def _enter(peer: str) -> Callable[[], AbstractAsyncContextManager[Any]]:
     if peer == "slotwise":
         return MemoryLimiter(max_concurrent=LIMIT).slot
+    if peer == "floor":
+        return FloorLimiter(LIMIT).slot
     limiter = anyio.CapacityLimiter(LIMIT)
     return lambda: limiter
 
@@ -112,8 +116,8 @@ def _run(kind: str, peer: str, n: int, backend: str) -> None:
 
 
 PEERS = {
-    "cycle": ("slotwise", "anyio"),
-    "handoff": ("slotwise", "anyio"),
+    "cycle": ("slotwise", "anyio", "floor"),
+    "handoff": ("slotwise", "anyio", "floor"),
     "tools": ("toolbox", "floor", "semaphores"),
 }
 
