@@ -16,6 +16,7 @@ rather than from the code under test, and after every operation checks:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import attrs
@@ -370,6 +371,51 @@ def test_an_unrenewed_lease_expires_and_its_slot_goes_to_the_next_waiter() -> No
     assert state.renew(first.lease.lease_id, 5.0) is None
     assert state.release(first.lease.lease_id, 5.0) == []
     assert second.lease.expires_at == 10.0
+
+
+class _Holder:
+    released = False
+
+
+def test_a_granted_ticket_does_not_keep_its_holder_alive() -> None:
+    # A ticket kept alive after its grant (in a list of grants that a traceback holds) kept
+    # its holder alive too, so the lease of a holder that died was extended for ever.
+    state = LimiterState(
+        Rules(
+            max_concurrent=1, workloads={"default": WorkloadRule(ceiling=1, reserved=0, priority=0)}
+        ),
+        max_queued=None,
+        lease_ttl=5.0,
+    )
+    first, _ = state.submit("default", 0.0)
+    assert first.lease is not None
+    holder = _Holder()
+    ticket, _ = state.submit("default", 1.0, holder)
+    assert state.release(first.lease.lease_id, 2.0) == [ticket]
+    assert ticket.lease is not None
+    alive = weakref.ref(holder)
+    del holder
+    assert alive() is None  # the ticket, still referenced here, let it go
+    assert state.expire(7.0) == []
+    assert not state.leases  # the dead holder's lease expired: the slot is back
+
+
+def test_a_regranted_ticket_stays_tied_to_its_holder() -> None:
+    # A lease that ran out before its waiter resumed is granted again to the same holder.
+    state = LimiterState(
+        Rules(
+            max_concurrent=1, workloads={"default": WorkloadRule(ceiling=1, reserved=0, priority=0)}
+        ),
+        max_queued=None,
+        lease_ttl=5.0,
+    )
+    holder = _Holder()
+    ticket, _ = state.submit("default", 0.0, holder)
+    assert ticket.lease is not None
+    assert ticket.lease.tether is not None
+    assert state.regrant(ticket, 6.0) == [ticket]
+    assert ticket.lease.tether is not None
+    assert ticket.lease.tether() is holder
 
 
 def test_a_renewed_lease_outlives_its_first_expiry() -> None:

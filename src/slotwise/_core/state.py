@@ -125,8 +125,10 @@ class Ticket:
     lease: LeaseRecord | None = None
     waker: Any = None
     # What will hold its lease (the shell's slot; None: nothing ties the lease to a holder).
-    # Held strongly while it waits, as its waiter holds it anyway; the lease gets a weak
-    # reference to it, its tether, when it is granted.
+    # Held strongly while it waits, as its waiter holds it anyway; when it is granted the
+    # lease gets a weak reference to it, its tether, and the ticket lets it go: a ticket
+    # kept alive elsewhere (a list of grants in a traceback) must not keep a dead holder's
+    # lease alive.
     holder: Holder | None = None
     cost: Cost = _NO_COST
     rate_waits: set[str] | None = None
@@ -316,6 +318,8 @@ class LimiterState:
         record = ticket.lease
         assert record is not None
         ticket.lease = None
+        if record.tether is not None:
+            ticket.holder = record.tether()  # its grant let it go; the next one ties to it
         if self.leases.get(record.lease_id) is record:
             del self.leases[record.lease_id]
             self._drop(record)
@@ -601,7 +605,10 @@ class LimiterState:
         self.active[workload] = held + 1
         lease_id = f"{self._prefix}-{next(self._lease_seq)}"
         holder = ticket.holder
-        tether = None if holder is None else weakref.ref(holder)
+        tether = None
+        if holder is not None:
+            tether = weakref.ref(holder)
+            ticket.holder = None  # the lease's tether refers to it from now on
         aimd = self.aimd
         if aimd is None:
             record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether, 0)
