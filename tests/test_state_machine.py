@@ -352,14 +352,19 @@ def seed_state(*, max_queued: int | None = None) -> LimiterState:
     return LimiterState(rules, max_queued=max_queued, lease_ttl=30.0)
 
 
-def test_an_unrenewed_lease_expires_and_its_slot_goes_to_the_next_waiter() -> None:
-    state = LimiterState(
+def one_slot_state() -> LimiterState:
+    """One workload, one slot, leases of 5 seconds."""
+    return LimiterState(
         Rules(
             max_concurrent=1, workloads={"default": WorkloadRule(ceiling=1, reserved=0, priority=0)}
         ),
         max_queued=None,
         lease_ttl=5.0,
     )
+
+
+def test_an_unrenewed_lease_expires_and_its_slot_goes_to_the_next_waiter() -> None:
+    state = one_slot_state()
     first, _ = state.submit("default", 0.0)
     second, _ = state.submit("default", 1.0)
     assert first.lease is not None
@@ -380,13 +385,7 @@ class _Holder:
 def test_a_granted_ticket_does_not_keep_its_holder_alive() -> None:
     # A ticket kept alive after its grant (in a list of grants that a traceback holds) kept
     # its holder alive too, so the lease of a holder that died was extended for ever.
-    state = LimiterState(
-        Rules(
-            max_concurrent=1, workloads={"default": WorkloadRule(ceiling=1, reserved=0, priority=0)}
-        ),
-        max_queued=None,
-        lease_ttl=5.0,
-    )
+    state = one_slot_state()
     first, _ = state.submit("default", 0.0)
     assert first.lease is not None
     holder = _Holder()
@@ -402,13 +401,7 @@ def test_a_granted_ticket_does_not_keep_its_holder_alive() -> None:
 
 def test_a_regranted_ticket_stays_tied_to_its_holder() -> None:
     # A lease that ran out before its waiter resumed is granted again to the same holder.
-    state = LimiterState(
-        Rules(
-            max_concurrent=1, workloads={"default": WorkloadRule(ceiling=1, reserved=0, priority=0)}
-        ),
-        max_queued=None,
-        lease_ttl=5.0,
-    )
+    state = one_slot_state()
     holder = _Holder()
     ticket, _ = state.submit("default", 0.0, holder)
     assert ticket.lease is not None
