@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 
-from slotwise import Adaptive, Rate, acquire
+from slotwise import Adaptive, Rate, Workload, acquire
 from slotwise.postgres import PostgresLimiter
 
 pytestmark = pytest.mark.anyio
@@ -73,3 +74,32 @@ async def test_an_adaptive_limit_in_slow_start_begins_at_min_concurrent_everywhe
     assert (await limiter.stats()).effective_max_concurrent == 2
     await first.release()
     assert (await limiter.stats()).effective_max_concurrent == 3
+
+
+async def test_a_reserved_slot_granted_over_a_lowered_limit_proves_only_the_limit(
+    make: Make, dsn: str, schema: str
+) -> None:
+    # 14 batch slots held, one refused: the limit falls to 8 while the 14 are still held. The
+    # chat workload's reserved slot is still granted (a reservation is never lent); the
+    # slots it tried must be the limit in force, 8, not the 16 occupied (the state's
+    # `slots_tried`, as MemoryLimiter keeps it), or its success would climb the limit back
+    # to 16 on demand that never filled it.
+    limiter = make(
+        max_concurrent=16,
+        workloads={"chat": Workload(reserved=2), "batch": Workload()},
+        default_workload="batch",
+        adaptive=Adaptive(min_concurrent=2),
+    )
+    batch = [await acquire("batch", limiter=limiter) for _ in range(14)]
+    batch[0].throttled(retry_after=0.0)
+    assert (await limiter.stats()).effective_max_concurrent == 8
+    chat = await acquire("chat", limiter=limiter)
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            f'SELECT tried FROM "{schema}".leases WHERE workload = %s'.encode(), ("chat",)
+        )
+        assert await cur.fetchall() == [(8,)]
+    await chat.release()
+    for slot in batch:
+        await slot.release()
+    assert (await limiter.stats()).effective_max_concurrent == 8
