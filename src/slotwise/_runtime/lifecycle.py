@@ -1096,6 +1096,8 @@ class SlotContext(Generic[W]):
             try:
                 slot.lease = await _tethered_wait(slot, loop)
             except BaseException as exc:
+                if run is None and not dispatch._subscriptions and type(exc) is loop.cancelled:
+                    raise  # a wait cancelled, outside any run, with no one to tell: as is
                 _wait_failed(slot, run, loop, start, exc)
         else:
             await _wait(slot, run, loop)  # which reports the entry itself
