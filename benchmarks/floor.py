@@ -94,6 +94,7 @@ import attrs
 import sniffio
 import trio
 
+from . import handoff, uncontended
 from ._harness import (
     ANYIO,
     FULL,
@@ -102,17 +103,13 @@ from ._harness import (
     Peer,
     Row,
     Size,
-    best,
     cpu_model,
-    no_gc,
     peers_for,
 )
 from ._harness import (
     format_table as _format_table,
 )
-from .handoff import LIMIT, repeats_for
-from .handoff import _once as _handoff_once
-from .uncontended import _cycles
+from .handoff import LIMIT
 
 __all__ = (
     "ALL",
@@ -619,8 +616,8 @@ def _slot_kind() -> type[Slot]:
 
 # -- the measurement ----------------------------------------------------------------------------
 
-UNCONTENDED = "uncontended"
-HANDOFF = "hand-off"
+UNCONTENDED = uncontended.SECTION
+HANDOFF = handoff.SECTION
 
 
 def _floor_peer(name: str, duties: frozenset[str]) -> Peer:
@@ -652,55 +649,10 @@ def handoff_sizes(size: Size) -> tuple[int, ...]:
 
 
 async def _measure(backend: str, size: Size) -> list[Row]:
+    # Timed exactly as benchmarks.uncontended and benchmarks.handoff time their sections.
     peers = floor_peers(backend)
-    rows: list[Row] = []
-
-    # The uncontended cycle, timed exactly as benchmarks.uncontended times it, the peers
-    # interleaved within each repetition so that drift of the machine hits them alike.
-    enters = []
-    for peer in peers:
-        enter = peer.enter(peer.make(LIMIT))
-        await _cycles(enter, min(size.cycles, 1_000))  # warm up
-        enters.append(enter)
-    cycles: list[list[float]] = [[] for _ in peers]
-    for _ in range(size.repeats):
-        for samples, enter in zip(cycles, enters, strict=True):
-            with no_gc():
-                samples.append(await _cycles(enter, size.cycles) / size.cycles)
-    for peer, samples in zip(peers, cycles, strict=True):
-        rows.append(
-            Row(
-                section=UNCONTENDED,
-                backend=backend,
-                peer=peer.name,
-                n=size.cycles,
-                value=best(samples) * 1e6,
-                unit="us/cycle",
-                group=f"{UNCONTENDED}/{backend}",
-            )
-        )
-
-    # The hand-off, timed exactly as benchmarks.handoff times it, interleaved likewise.
-    for n in handoff_sizes(size):
-        grants: list[list[float]] = [[] for _ in peers]
-        for _ in range(repeats_for(n, size)):
-            for samples, peer in zip(grants, peers, strict=True):
-                samples.append(await _handoff_once(peer, backend, n) / n)
-        for peer, samples in zip(peers, grants, strict=True):
-            per_grant = best(samples)
-            rows.append(
-                Row(
-                    section=HANDOFF,
-                    backend=backend,
-                    peer=peer.name,
-                    n=n,
-                    value=1.0 / per_grant,
-                    unit="grants/s",
-                    extra=f"{per_grant * 1e6:.2f} us/grant",
-                    group=f"{HANDOFF}/{backend}/{n}",
-                )
-            )
-    return rows
+    rows = await uncontended.measure(peers, backend, size)
+    return rows + await handoff.measure(peers, backend, size, handoff_sizes(size))
 
 
 def _with_ratios(rows: list[Row]) -> list[Row]:

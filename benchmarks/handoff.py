@@ -7,6 +7,7 @@ the next waiter, which enters, leaves, and hands it on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -14,7 +15,7 @@ import trio
 
 from ._harness import Peer, Row, Size, best, clock, in_task_tree, no_gc, peers_for, start_waiters
 
-__all__ = ("LIMIT", "repeats_for", "run")
+__all__ = ("LIMIT", "measure", "repeats_for", "run")
 
 SECTION = "hand-off"
 LIMIT = 8
@@ -44,10 +45,12 @@ async def _once(peer: Peer, backend: str, n: int) -> float:
     return float(await in_task_tree(backend, body))
 
 
-async def _measure(backend: str, size: Size) -> list[Row]:
+async def measure(
+    peers: Sequence[Peer], backend: str, size: Size, sizes: Sequence[int]
+) -> list[Row]:
+    """The hand-off of each of ``peers`` on the running loop at each N of ``sizes``."""
     rows = []
-    for n in size.handoff:
-        peers = peers_for(backend)
+    for n in sizes:
         # The peers take turns within each repetition (see uncontended).
         samples: list[list[float]] = [[] for _ in peers]
         for _ in range(repeats_for(n, size)):
@@ -68,6 +71,10 @@ async def _measure(backend: str, size: Size) -> list[Row]:
                 )
             )
     return rows
+
+
+async def _measure(backend: str, size: Size) -> list[Row]:
+    return await measure(peers_for(backend), backend, size, size.handoff)
 
 
 def run(size: Size, backends: list[str]) -> list[Row]:

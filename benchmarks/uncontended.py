@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import anyio
 
-from ._harness import Row, Size, best, clock, no_gc, peers_for
+from ._harness import Peer, Row, Size, best, clock, no_gc, peers_for
 
-__all__ = ("run",)
+__all__ = ("measure", "run")
 
 SECTION = "uncontended"
 
@@ -20,8 +22,8 @@ async def _cycles(enter: object, n: int) -> float:
     return clock() - start
 
 
-async def _measure(backend: str, size: Size) -> list[Row]:
-    peers = peers_for(backend, with_trio_limiter=True)
+async def measure(peers: Sequence[Peer], backend: str, size: Size) -> list[Row]:
+    """The cycle of each of ``peers`` on the running loop, a row each."""
     enters = [peer.enter(peer.make(8)) for peer in peers]
     for enter in enters:
         await _cycles(enter, min(size.cycles, 1_000))  # warm up
@@ -44,6 +46,10 @@ async def _measure(backend: str, size: Size) -> list[Row]:
         )
         for peer, peer_samples in zip(peers, samples, strict=True)
     ]
+
+
+async def _measure(backend: str, size: Size) -> list[Row]:
+    return await measure(peers_for(backend, with_trio_limiter=True), backend, size)
 
 
 def run(size: Size, backends: list[str]) -> list[Row]:

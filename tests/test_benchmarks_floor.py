@@ -18,6 +18,7 @@ import pytest
 
 import benchmarks.floor
 import benchmarks.handoff
+import benchmarks.uncontended
 from benchmarks._harness import ANYIO, FULL, SLOTWISE, TINY, Row
 from benchmarks.floor import (
     ALL,
@@ -50,7 +51,7 @@ def _no_full_collections() -> Iterator[None]:
     """Each timing starts with a full collection (benchmarks._harness.no_gc): over the test
     pytest's heap, seconds in all, for figures that mean nothing at this size."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(benchmarks.floor, "no_gc", _gc_left_on)
+        patch.setattr(benchmarks.uncontended, "no_gc", _gc_left_on)
         patch.setattr(benchmarks.handoff, "no_gc", _gc_left_on)
         yield
 
