@@ -618,8 +618,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
         with self._lock:
             granted = state.withdraw(ticket, self._clock())
             granted += self._watchers.leave(ticket)
-            if not granted and not state.timed:
-                return  # a waiter withdrawn: nothing to wake, no clock watch to move
+            if not granted and (not self._watchers.alarms or not state.timed):
+                return  # nothing to wake: no grant, and no clock watch to move earlier
             wakers = self._settle(granted)
         _wake(wakers)
 

@@ -1074,34 +1074,31 @@ class SlotContext(Generic[W]):
             await loop.turn()
             return slot
         cls = type(limiter)
-        lease = None
-        start: float | None = None  # when the request began to wait; None: it did not
-        if cls in _tethering:  # _take_at_once(), inlined: the path of every uncontended slot
-            try:
-                lease = cls._take_nowait(
+        if cls not in _tethering:
+            await _wait(slot, run, loop)  # which reports the entry itself
+        else:
+            start: float | None = None  # when the request began to wait; None: it did not
+            try:  # _take_at_once(), inlined: the path of every uncontended slot
+                slot.lease = cls._take_nowait(
                     limiter, slot.workload, loop, weakref.ref(slot), slot._tokens
                 )
             except BaseException as exc:
                 _refused_at_once(slot, loop, exc)
-        if lease is not None:
-            slot.lease = lease
-            try:
-                await loop.turn()
-            except BaseException as exc:
-                _not_entered(slot, run, loop, exc)
-        elif cls in _tethering:
-            # _wait(), inlined for a limiter that ties leases to slots: a waiting request
-            # keeps one coroutine frame less alive (and this frame few locals).
-            start = _wait_begins(slot, run, loop) if dispatch._subscriptions else loop.clock()
-            try:
-                slot.lease = await _tethered_wait(slot, loop)
-            except BaseException as exc:
-                if run is None and not dispatch._subscriptions and type(exc) is loop.cancelled:
-                    raise  # a wait cancelled, outside any run, with no one to tell: as is
-                _wait_failed(slot, run, loop, start, exc)
-        else:
-            await _wait(slot, run, loop)  # which reports the entry itself
-        if cls in _tethering:
+            if slot.lease is not None:
+                try:
+                    await loop.turn()
+                except BaseException as exc:
+                    _not_entered(slot, run, loop, exc)
+            else:
+                # _wait(), inlined for a limiter that ties leases to slots: a waiting request
+                # keeps one coroutine frame less alive (and this frame few locals).
+                start = _wait_begins(slot, run, loop) if dispatch._subscriptions else loop.clock()
+                try:
+                    slot.lease = await _tethered_wait(slot, loop)
+                except BaseException as exc:
+                    if run is None and not dispatch._subscriptions and type(exc) is loop.cancelled:
+                        raise  # a wait cancelled, outside any run, with no one to tell: as is
+                    _wait_failed(slot, run, loop, start, exc)
             if dispatch._subscriptions and dispatch.wants(limiter):
                 _hold(slot, run, loop, start)  # the events; a subscriber's raise releases it
             else:
