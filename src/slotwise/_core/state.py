@@ -292,18 +292,17 @@ class LimiterState:
         self.active[workload] = held + 1
         # _grant(), inlined, without a ticket: this is the path of every uncontended slot.
         lease_id = f"{self._prefix}-{next(self._lease_seq)}"
+        # LeaseRecord(...), inlined: its __init__ is a frame, which costs as much as the stores.
+        record = object.__new__(LeaseRecord)
+        record.lease_id = lease_id
+        record.workload = workload
+        record.expires_at = now + self.lease_ttl
+        record.tether = tether
         aimd = self.aimd
-        if aimd is None:
-            record = LeaseRecord(lease_id, workload, now + self.lease_ttl, tether, 0)
-        else:
-            record = LeaseRecord(
-                lease_id,
-                workload,
-                now + self.lease_ttl,
-                tether,
-                aimd.epoch,
-                slots_tried(rules, self.active),
-            )
+        record.epoch = 0 if aimd is None else aimd.epoch
+        record.tried = 0 if aimd is None else slots_tried(rules, self.active)
+        record.succeeded = True
+        record.waited_for = ()
         self.leases[lease_id] = record
         heapq.heappush(expiries, (record.expires_at, lease_id))
         return record

@@ -252,8 +252,20 @@ class Slot:
     _ttl: float
 
     def __init__(
-        self, limiter: Any, run: Run | None, loop: Loop | None = None, tokens: int = 0
+        self,
+        workload: str | None,
+        limiter: Any,
+        allow_nested: bool,
+        loop: Loop | None,
+        tokens: int | None = None,
     ) -> None:
+        """The slot a request will fill: its limiter (``limiter``, else the current run's),
+        workload, token estimate and lineage, checked. With no limiter it limits nothing."""
+        if tokens is not None:
+            token_count("tokens", tokens, optional=True)
+        run = _current_run.get()
+        if limiter is None and run is not None:
+            limiter = run.limiter
         self.limiter = limiter
         self._run = run
         self._number = 0  # numbered when its id is first asked for (events, errors)
@@ -269,7 +281,36 @@ class Slot:
         self._frame: Any = None  # the async generator frame that entered it, if one did
         self._token: Any = None  # its entry in the nested-slot guard (a ContextVar token)
         self._keeper: Any = None  # the keeper that renews the lease, if one must
-        self._tokens = tokens  # the tokens charged for it: the estimate, then what was used
+        self._tokens = tokens or 0  # the tokens charged for it: the estimate, then what was used
+        if limiter is None:
+            return
+        if workload is None and run is not None and run.limiter is limiter:
+            workload = run.workload
+        try:
+            # The workload, resolved by the limiter when it can (a built-in one checks it).
+            validate = getattr(type(limiter), "validate_workload", None)
+            if validate is not None:
+                resolved = validate(limiter, workload)
+                self.workload = resolved if type(resolved) is str else str(resolved)
+            else:
+                self.workload = DEFAULT_WORKLOAD if workload is None else str(workload)
+            held = _holding.get()
+            if (
+                held
+                and not allow_nested
+                and any(other.limiter is limiter and not other._released for other in held)
+            ):
+                raise ConcurrencyConfigError(
+                    "this task already holds a slot of this limiter; taking another inside it "
+                    "can deadlock a small limiter (a tool started inside a slot that starts a "
+                    "child run waits for a slot its own parent holds). Release the slot before "
+                    "running tools, or pass allow_nested=True if you mean it"
+                )
+        except ConcurrencyConfigError as exc:
+            if self.workload is None and workload is not None:
+                self.workload = str(workload)
+            self._emit(ConfigErrorEvent, error=_describe(exc))
+            raise self._fill(exc) from None
 
     @property
     def limiter_name(self) -> str:
@@ -457,12 +498,17 @@ class Slot:
         try:
             nowait(self.limiter, self.lease)  # type: ignore[arg-type]
         except BaseException as exc:
-            if _fatal(exc):
-                raise
-            self._release_failed(exc)
+            self._release_raised(exc)
             return
         if dispatch._subscriptions and dispatch.wants(self.limiter):
             self._released_as(outcome, None)
+
+    def _release_raised(self, exc: BaseException) -> None:
+        """A `release_nowait()` raised ``exc``: reported, as the slot is released all the
+        same (the lease expires), unless the program is asked to stop."""
+        if _fatal(exc):
+            raise exc
+        self._release_failed(exc)
 
     def _not_succeeded(self) -> None:
         """Tell a limiter that has `not_succeeded()` that this slot's request was cancelled
@@ -611,7 +657,8 @@ async def acquire(
             slot without `allow_nested`.
     """
     loop = require()
-    slot, run = _request(workload, limiter, allow_nested, loop, tokens)
+    slot = Slot(workload, limiter, allow_nested, loop, tokens)
+    run = slot._run
     if slot.limiter is None:
         await loop.checkpoint()
     elif _take_at_once(slot, loop):
@@ -788,7 +835,8 @@ def acquire_sync(
         raise ConcurrencyConfigError(
             f"timeout must be None or a non-negative number of seconds, got {timeout!r}"
         )
-    slot, run = _request(workload, limiter, allow_nested, None, tokens)
+    slot = Slot(workload, limiter, allow_nested, None, tokens)
+    run = slot._run
     limiter = slot.limiter
     if limiter is None:
         return slot
@@ -836,53 +884,6 @@ def acquire_sync(
 def _acquired(slot: Slot, lease: SupportsLease, waited: float) -> None:
     waited_for = getattr(lease, "waited_for", ())
     slot._emit(AcquiredEvent, lease_id=lease.lease_id, wait_time=waited, waited_for=waited_for)
-
-
-def _request(
-    workload: str | None,
-    limiter: Any,
-    allow_nested: bool,
-    loop: Loop | None,
-    tokens: int | None = None,
-) -> tuple[Slot, Run | None]:
-    """The slot a request will fill: its limiter, workload, token estimate and lineage,
-    checked. A slot with no limiter limits nothing."""
-    if tokens is not None:
-        token_count("tokens", tokens, optional=True)
-    run = _current_run.get()
-    if limiter is None:
-        limiter = run.limiter if run is not None else None
-        if limiter is None:
-            return Slot(None, run), run
-    if workload is None and run is not None and run.limiter is limiter:
-        workload = run.workload
-    slot = Slot(limiter, run, loop, tokens or 0)
-    try:
-        # The workload, resolved by the limiter when it can (a built-in one checks it).
-        validate = getattr(limiter, "validate_workload", None)
-        if validate is not None:
-            resolved = validate(workload)
-            slot.workload = resolved if type(resolved) is str else str(resolved)
-        else:
-            slot.workload = DEFAULT_WORKLOAD if workload is None else str(workload)
-        held = _holding.get()
-        if (
-            held
-            and not allow_nested
-            and any(other.limiter is limiter and not other._released for other in held)
-        ):
-            raise ConcurrencyConfigError(
-                "this task already holds a slot of this limiter; taking another inside it "
-                "can deadlock a small limiter (a tool started inside a slot that starts a "
-                "child run waits for a slot its own parent holds). Release the slot before "
-                "running tools, or pass allow_nested=True if you mean it"
-            )
-    except ConcurrencyConfigError as exc:
-        if slot.workload is None and workload is not None:
-            slot.workload = str(workload)
-        slot._emit(ConfigErrorEvent, error=_describe(exc))
-        raise slot._fill(exc) from None
-    return slot, run
 
 
 def _wait_started(slot: Slot, start: float, deadline: float | None) -> float:
@@ -1004,33 +1005,40 @@ def _enter(context: object, slot: Slot, frame: Any) -> None:
 
 
 def _exit(context: object, frame: Any) -> Slot | None:
-    """The slot that ``context`` entered and that this exit ends: the innermost one this task
-    entered (whatever frames `AsyncExitStack` or a wrapper run them in), or the one entered
-    by the async generator whose frame this is. None when nothing was limited."""
-    held = _holding.get()
-    if held:
-        slot = held[-1]
-        if slot._context is context and not slot._released:
-            # The usual case: the innermost slot of this task, entered in this context.
-            try:
-                _holding.reset(slot._token)
-            except ValueError:  # set in another context: take it out by hand
-                _holding.set(held[:-1])
-            if slot._frame is not None:
-                _in_generators.pop(id(slot._frame), None)
-            return slot
-    for index in range(len(held) - 2, -1, -1):
-        slot = held[index]
-        if slot._context is context and not slot._released:
-            _holding.set(held[:index] + held[index + 1 :])
-            if slot._frame is not None:
-                _in_generators.pop(id(slot._frame), None)
-            return slot
+    """The slot that ``context`` entered and that this exit ends: the one entered by the
+    generator whose frame this is, if one was; else the innermost one this task entered in
+    that context (whatever frames `AsyncExitStack` or a wrapper run them in), other than a
+    generator's. None when nothing was limited.
+
+    A context object may be shared (`slot()` of a built-in limiter returns one per workload),
+    so the context alone does not tell a generator's slot from its closer's."""
     found = _in_generators.get(id(frame))
-    if found is not None and found._frame is frame and found._context is context:
+    if found is not None and (found._frame is not frame or found._context is not context):
+        found = None
+    held = _holding.get()
+    for index in range(len(held) - 1, -1, -1):
+        slot = held[index]
+        if slot is found or (
+            found is None
+            and slot._frame is None
+            and slot._context is context
+            and not slot._released
+        ):
+            if index == len(held) - 1:
+                try:
+                    _holding.reset(slot._token)
+                except ValueError:  # set in another context: take it out by hand
+                    _holding.set(held[:-1])
+            else:
+                _holding.set(held[:index] + held[index + 1 :])
+            if found is None:
+                return slot
+            break
+    if found is not None:
+        # Closed where it was entered, or elsewhere (another task, thread or context, where
+        # this one is not): by the generator's frame either way.
         del _in_generators[id(frame)]
-        return found
-    return None
+    return found
 
 
 # Slots entered by an async generator, by id(frame) (see _enter).
@@ -1068,7 +1076,8 @@ class SlotContext(Generic[W]):
     async def __aenter__(self) -> Slot:
         # acquire(), inlined: one coroutine less on the path of every provider request.
         loop = self._loop or current() or require()
-        slot, run = _request(self._workload, self._limiter, self._allow_nested, loop, self._tokens)
+        slot = Slot(self._workload, self._limiter, self._allow_nested, loop, self._tokens)
+        run = slot._run
         limiter = slot.limiter
         if limiter is None:
             await loop.turn()
@@ -1105,7 +1114,7 @@ class SlotContext(Generic[W]):
                 slot._acquired_at = loop.clock()  # _entered(), without events
         # _enter(), inlined.
         slot._context = self
-        slot._token = _holding.set((*_holding.get(), slot))
+        slot._token = _holding.set(_holding.get() + (slot,))  # noqa: RUF005 (the cheaper)
         frame = sys._getframe(1)
         if frame.f_code.co_flags & _CO_ASYNC_GENERATOR:
             slot._frame = frame
@@ -1123,8 +1132,14 @@ class SlotContext(Generic[W]):
     ) -> None:
         held = _holding.get()
         slot = held[-1] if held else None
-        if slot is not None and slot._context is self and slot._frame is None:
-            # The usual case, _exit() inlined: the innermost slot of this task.
+        if (
+            slot is not None
+            and slot._context is self
+            and slot._frame is None
+            and not _in_generators
+        ):
+            # The usual case, _exit() inlined: the innermost slot of this task, and no
+            # generator's frame that this exit may come from.
             try:
                 _holding.reset(slot._token)
             except ValueError:  # set in another context: take it out by hand
@@ -1152,9 +1167,17 @@ class SlotContext(Generic[W]):
             outcome = "completed"
         else:
             outcome = outcome_of(exc, require().cancelled)
-        nowait = getattr(type(slot.limiter), "release_nowait", None)
+        limiter = slot.limiter
+        nowait = getattr(type(limiter), "release_nowait", None)
         if nowait is None or slot._released:
             await slot.release(outcome)
+        elif slot._keeper is None and outcome == "completed" and not dispatch._subscriptions:
+            # Slot._release_nowait(), inlined for the usual exit: nothing more to tell.
+            slot._released = True
+            try:
+                nowait(limiter, slot.lease)
+            except BaseException as exc:
+                slot._release_raised(exc)
         else:
             slot._release_nowait(nowait, outcome)  # Slot.release(), without a coroutine
         if lost:

@@ -233,6 +233,7 @@ class PostgresLimiter(Coordinator[W]):
         synchronous_commit: bool = True,
         db_timeout: float = 5.0,
     ) -> None:
+        self._contexts = {}  # see BuiltinLimiter
         self._settings: Settings = build_settings(
             name=name,
             max_concurrent=max_concurrent,
@@ -511,7 +512,8 @@ class PostgresLimiter(Coordinator[W]):
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
     ) -> SlotContext[W]:
         """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
-        return SlotContext(workload, self, allow_nested, tokens)
+        known = self._contexts.get(workload) if tokens is None and not allow_nested else None
+        return known or self._new_context(workload, tokens, allow_nested)
 
     async def stats(self) -> LimiterStats:
         """Active and queued requests across every process, in total and per workload, and
