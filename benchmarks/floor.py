@@ -477,9 +477,12 @@ class Slot:
         lock = limiter._lock
         if lock is None:
             woken = limiter._release(self)
-        else:  # duty "lock"
-            with lock:
+        else:  # duty "lock" (not `with`, which costs twice as much on CPython 3.11)
+            lock.acquire()
+            try:
                 woken = limiter._release(self)
+            finally:
+                lock.release()
         if woken is not None:
             woken._wake()
 

@@ -8,6 +8,10 @@ One run performs one operation ``n`` times after a warm-up, on asyncio or trio, 
   uncontended cycle, after 200 warm-up cycles;
 - ``handoff``: ``n`` waiters started behind 8 holders, parked, then handed the slot one after
   the other when the holders leave (task creation included, for both peers);
+- ``cancel``: ``n`` waiters started behind 8 holders, parked, then all cancelled at once (each
+  asyncio task by ``task.cancel()``, each trio task by its own cancel scope, as the
+  cancellation section does), task creation and parking included: beside ``handoff``, the
+  difference is what a cancellation costs against a grant;
 - ``tools``: ``n`` batches of the tool-calls section's 1,000 calls over 8 pools, after one to
   warm up, by peer ``toolbox`` (``ToolBox.run``), ``floor`` (``limiter.slot()`` per call and
   nothing else) or ``semaphores`` (the stacked semaphores of the loop: ``asyncio.gather`` and
@@ -36,6 +40,7 @@ operation, in all and by function: how much Python each operation runs, without 
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -44,6 +49,7 @@ from types import FrameType
 from typing import Any
 
 import anyio
+import trio
 
 from slotwise import MemoryLimiter
 
@@ -72,7 +78,9 @@ async def cycle(peer: str, n: int) -> None:
             pass
 
 
-async def handoff(peer: str, n: int) -> None:
+def _tasks(peer: str) -> tuple[anyio.Event, Callable[[], Any], Callable[[], Any]]:
+    """A gate, a holder that keeps its slot until the gate opens, and a waiter that takes
+    its slot and leaves."""
     enter = _enter(peer)
     gate = anyio.Event()
 
@@ -84,15 +92,56 @@ async def handoff(peer: str, n: int) -> None:
         async with enter():
             pass
 
+    return gate, holder, waiter
+
+
+async def _turns() -> None:
+    for _ in range(5):
+        await anyio.lowlevel.checkpoint()
+
+
+async def handoff(peer: str, n: int) -> None:
+    gate, holder, waiter = _tasks(peer)
     async with anyio.create_task_group() as tg:
         for _ in range(LIMIT):
             tg.start_soon(holder)
-        for _ in range(5):
-            await anyio.lowlevel.checkpoint()
+        await _turns()
         for _ in range(n):
             tg.start_soon(waiter)
-        for _ in range(5):
-            await anyio.lowlevel.checkpoint()
+        await _turns()
+        gate.set()
+
+
+async def cancel(peer: str, n: int, backend: str) -> None:
+    gate, holder, waiter = _tasks(peer)  # every waiter is cancelled before its turn
+    if backend == "asyncio":
+        loop = asyncio.get_running_loop()
+        holders = [loop.create_task(holder()) for _ in range(LIMIT)]
+        await _turns()
+        waiters = [loop.create_task(waiter()) for _ in range(n)]
+        await _turns()
+        for task in waiters:
+            task.cancel()
+        await _turns()
+        gate.set()
+        await asyncio.gather(*holders, *waiters, return_exceptions=True)
+        return
+
+    async def scoped(scope: trio.CancelScope) -> None:
+        with scope:
+            await waiter()
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(LIMIT):
+            nursery.start_soon(holder)
+        await _turns()
+        scopes = [trio.CancelScope() for _ in range(n)]
+        for scope in scopes:
+            nursery.start_soon(scoped, scope)
+        await _turns()
+        for scope in scopes:
+            scope.cancel()
+        await _turns()
         gate.set()
 
 
@@ -111,6 +160,8 @@ async def tool_batches(peer: str, n: int, backend: str) -> None:
 def _run(kind: str, peer: str, n: int, backend: str) -> None:
     if kind == "tools":
         anyio.run(tool_batches, peer, n, backend, backend=backend)
+    elif kind == "cancel":
+        anyio.run(cancel, peer, n, backend, backend=backend)
     else:
         anyio.run(cycle if kind == "cycle" else handoff, peer, n, backend=backend)
 
@@ -118,6 +169,7 @@ def _run(kind: str, peer: str, n: int, backend: str) -> None:
 PEERS = {
     "cycle": ("slotwise", "anyio", "floor"),
     "handoff": ("slotwise", "anyio", "floor"),
+    "cancel": ("slotwise", "anyio", "floor"),
     "tools": ("toolbox", "floor", "semaphores"),
 }
 

@@ -32,7 +32,13 @@ def test_opcodes_of_a_tool_call(backend: str) -> None:
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @pytest.mark.parametrize(
     "argv",
-    [["tools", "semaphores", "1"], ["cycle", "slotwise", "10"], ["handoff", "anyio", "10"]],
+    [
+        ["tools", "semaphores", "1"],
+        ["cycle", "slotwise", "10"],
+        ["handoff", "anyio", "10"],
+        ["cancel", "slotwise", "10"],
+        ["cancel", "floor", "10"],
+    ],
 )
 def test_each_workload_runs(argv: list[str], backend: str) -> None:
     instructions.main([*argv, backend])
