@@ -511,7 +511,10 @@ class PostgresLimiter(Coordinator[W]):
     def slot(
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
     ) -> SlotContext[W]:
-        """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
+        """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter.
+
+        With no argument but a workload the limiter knows (or none), it returns the same
+        object each time: each `async with` on it takes a slot of its own."""
         known = self._contexts.get(workload) if tokens is None and not allow_nested else None
         return known or self._new_context(workload, tokens, allow_nested)
 
