@@ -1,15 +1,17 @@
-"""The `slot()` context of a built-in limiter: one object per workload, shared by every request
-that asks `slot(workload)` with no other argument, each entry a slot of its own.
+"""A `slot()` context and the slots it ends: a context object entered by many tasks, or inside
+itself, and async generators that enter slots, wherever they are closed; a limiter's
+`validate_workload` wherever the limiter defines it.
 
-A shared object must still end the right slot at each exit: the innermost one its task
-entered, or the one an async generator entered when that generator is closed, wherever it
-is closed.
+The faults that a review found in a faster form of the lifecycle (one context object shared
+by every `limiter.slot()` call, `validate_workload` looked up on the limiter's class), one
+test each.
 """
 
 from __future__ import annotations
 
-import tracemalloc
+import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
@@ -20,34 +22,7 @@ from slotwise import ConcurrencyConfigError, MemoryLimiter, Workload
 pytestmark = pytest.mark.anyio
 
 
-def test_slot_returns_one_object_per_known_workload_and_none_kept_otherwise() -> None:
-    limiter = MemoryLimiter(
-        max_concurrent=4,
-        workloads={"chat": Workload(), "batch": Workload()},
-        default_workload="chat",
-    )
-    assert limiter.slot() is limiter.slot()
-    assert limiter.slot("chat") is limiter.slot("chat")
-    assert limiter.slot("batch") is limiter.slot("batch")
-    assert limiter.slot("chat") is not limiter.slot("batch")
-    assert limiter.slot() is not limiter.slot("chat")  # None resolves at entry, not here
-    # Any other argument makes a context of its own, as does a name the limiter lacks.
-    assert limiter.slot(tokens=10) is not limiter.slot(tokens=10)
-    assert limiter.slot(allow_nested=True) is not limiter.slot(allow_nested=True)
-    assert limiter.slot("nope") is not limiter.slot("nope")
-    # Not kept: names the limiter lacks do not grow it (10,000 kept would be over 1 MB).
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        for index in range(10_000):
-            limiter.slot(f"nope-{index}")
-        grown = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
-    assert grown < 50_000
-
-
-async def test_one_shared_context_gives_each_task_its_own_slot_within_the_limit() -> None:
+async def test_one_context_entered_by_many_tasks_gives_each_its_own_slot() -> None:
     limiter = MemoryLimiter(max_concurrent=3)
     shared = limiter.slot()
     inside = peak = 0
@@ -72,7 +47,7 @@ async def test_one_shared_context_gives_each_task_its_own_slot_within_the_limit(
     assert limiter.stats_nowait().active == 0
 
 
-async def test_a_shared_context_entered_inside_itself_ends_its_slots_innermost_first() -> None:
+async def test_a_context_entered_inside_itself_ends_its_slots_innermost_first() -> None:
     limiter = MemoryLimiter(max_concurrent=2)
     with pytest.raises(ConcurrencyConfigError, match="already holds a slot"):
         async with limiter.slot(), limiter.slot():
@@ -88,7 +63,7 @@ async def test_a_shared_context_entered_inside_itself_ends_its_slots_innermost_f
     assert outer.released
 
 
-async def test_a_removed_workload_is_refused_through_its_kept_context() -> None:
+async def test_a_removed_workload_is_refused_through_a_context_made_before() -> None:
     limiter = MemoryLimiter(
         max_concurrent=2, workloads={"a": Workload(), "b": Workload()}, default_workload="a"
     )
@@ -98,45 +73,96 @@ async def test_a_removed_workload_is_refused_through_its_kept_context() -> None:
         async with kept:
             pass  # pragma: no cover
     await limiter.set_limits(workloads={"a": Workload(), "b": Workload()})
-    async with limiter.slot("b") as slot:
+    async with kept as slot:
         assert slot.workload == "b"
     assert limiter.stats_nowait().active == 0
 
 
-async def test_leaving_a_slot_ends_it_not_the_slot_a_generator_took_inside_it() -> None:
-    # The task enters the context, then runs a generator that enters the same context object
-    # and stops at its yield: leaving the task's block ends the task's slot; the generator's
-    # stays held until the generator is closed.
-    limiter = MemoryLimiter(max_concurrent=2)
-    shared = limiter.slot(allow_nested=True)
+async def test_a_generator_that_enters_two_slots_in_one_frame_ends_both() -> None:
+    a = MemoryLimiter(name="a", max_concurrent=2)
+    b = MemoryLimiter(name="b", max_concurrent=2)
 
-    async def stream() -> AsyncIterator[int]:
-        async with shared:
+    async def two_limiters() -> AsyncIterator[int]:
+        async with a.slot(), b.slot():
             yield 1
 
-    generator = stream()
-    async with shared as mine:
+    async def nested() -> AsyncIterator[int]:
+        async with a.slot(), a.slot(allow_nested=True):
+            yield 1
+
+    for make in (two_limiters, nested):
+        async for _ in make():
+            assert a.stats_nowait().active > 0
+        assert a.stats_nowait().active == 0
+        assert b.stats_nowait().active == 0
+        generator = make()  # closed at its yield, by the task that runs it
         await generator.__anext__()
-    assert mine.released
-    assert limiter.stats_nowait().active == 1
-    await generator.aclose()
-    assert limiter.stats_nowait().active == 0
-    async with limiter.slot():  # nothing is left held by this task: no nested refusal
-        pass
+        await generator.aclose()
+        assert a.stats_nowait().active == 0
+        assert b.stats_nowait().active == 0
 
 
-async def test_a_generator_closed_inside_its_own_slot_ends_only_that_slot() -> None:
-    # The generator's slot is the innermost one of the task when it is closed there.
+async def test_closing_a_wrapped_generator_never_ends_the_closers_slot() -> None:
+    # The generator enters its slot through AsyncExitStack (so not from its own frame) in one
+    # task; another task closes it from inside a slot of the same limiter: the closer keeps
+    # its slot while its body runs.
     limiter = MemoryLimiter(max_concurrent=2)
 
     async def stream() -> AsyncIterator[int]:
-        async with limiter.slot():
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(limiter.slot())
             yield 1
 
     generator = stream()
-    await generator.__anext__()
+
+    async def start() -> None:
+        await generator.__anext__()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(start)
     assert limiter.stats_nowait().active == 1
-    await generator.aclose()
-    assert limiter.stats_nowait().active == 0
-    async with limiter.slot():  # the task's guard holds nothing any more
-        assert limiter.stats_nowait().active == 1
+    async with limiter.slot() as mine:
+        await generator.aclose()
+        assert not mine.released
+        assert limiter.stats_nowait().active >= 1
+    assert mine.released
+
+
+class Forwarding:
+    """A limiter that forwards every attribute to another, through __getattr__."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class Static:
+    """A limiter whose validate_workload is a staticmethod."""
+
+    name = "static"
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    @staticmethod
+    def validate_workload(workload: str | None) -> str:
+        return workload or "chat"
+
+    async def acquire(self, request: Any) -> Any:
+        return await self._inner.acquire(request)
+
+    async def renew(self, lease: Any) -> Any:
+        return await self._inner.renew(lease)
+
+    async def release(self, lease: Any) -> None:
+        await self._inner.release(lease)
+
+
+@pytest.mark.parametrize("wrap", [Forwarding, Static])
+async def test_validate_workload_is_used_wherever_the_limiter_defines_it(wrap: Any) -> None:
+    inner = MemoryLimiter(max_concurrent=2, workloads={"chat": Workload()}, default_workload="chat")
+    async with slotwise.slot(limiter=wrap(inner)) as slot:
+        assert slot.workload == "chat"
+    assert inner.stats_nowait().active == 0

@@ -10,7 +10,6 @@ from ._config import Rate, Settings, Workload, resolve_workload
 from ._events import ConcurrencyEvent, LimitChangedEvent
 from ._protocol import W
 from ._runtime import dispatch
-from ._runtime.lifecycle import SlotContext
 from ._stats import BucketStats, LimiterStats, WorkloadStats
 
 __all__ = ("BuiltinLimiter",)
@@ -19,25 +18,9 @@ __all__ = ("BuiltinLimiter",)
 class BuiltinLimiter(Generic[W]):
     """The settings and the user's surface shared by MemoryLimiter and PostgresLimiter."""
 
-    __slots__ = ("__weakref__", "_contexts", "_settings")
+    __slots__ = ("__weakref__", "_settings")
 
     _settings: Settings
-    # What `slot()` returned for each workload, asked with no other argument: the same object
-    # serves every such request (a SlotContext may be entered by many tasks at once, each
-    # taking a slot of its own), so that none is made per request. Only the workloads the
-    # limiter knew then, so it stays small; one removed since is refused at entry as before.
-    _contexts: dict[object, SlotContext[W]]
-
-    def _new_context(
-        self, workload: W | None, tokens: int | None, allow_nested: bool
-    ) -> SlotContext[W]:
-        """A new `slot()` context, kept for the next `slot(workload)` when it has no other
-        argument and ``workload`` is None or one of the limiter's."""
-        context: SlotContext[W] = SlotContext(workload, self, allow_nested, tokens)
-        known = workload is None or (type(workload) is str and workload in self._settings.workloads)
-        if known and tokens is None and not allow_nested:
-            self._contexts[workload] = context
-        return context
 
     @property
     def name(self) -> str:

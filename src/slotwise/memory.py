@@ -142,7 +142,6 @@ class MemoryLimiter(BuiltinLimiter[W]):
         rate: Rate | None = None,
         adaptive: Adaptive | None = None,
     ) -> None:
-        self._contexts = {}  # see BuiltinLimiter
         self._settings: Settings = build_settings(
             name=name,
             max_concurrent=max_concurrent,
@@ -176,12 +175,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
     def slot(
         self, workload: W | None = None, *, tokens: int | None = None, allow_nested: bool = False
     ) -> SlotContext[W]:
-        """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter.
-
-        With no argument but a workload the limiter knows (or none), it returns the same
-        object each time: each `async with` on it takes a slot of its own."""
-        known = self._contexts.get(workload) if tokens is None and not allow_nested else None
-        return known or self._new_context(workload, tokens, allow_nested)
+        """`async with limiter.slot(workload=...)`: `slotwise.slot()` with this limiter."""
+        return SlotContext(workload, self, allow_nested, tokens)
 
     def sync_slot(
         self,

@@ -288,9 +288,9 @@ class Slot:
             workload = run.workload
         try:
             # The workload, resolved by the limiter when it can (a built-in one checks it).
-            validate = getattr(type(limiter), "validate_workload", None)
+            validate = getattr(limiter, "validate_workload", None)
             if validate is not None:
-                resolved = validate(limiter, workload)
+                resolved = validate(workload)
                 self.workload = resolved if type(resolved) is str else str(resolved)
             else:
                 self.workload = DEFAULT_WORKLOAD if workload is None else str(workload)
@@ -1012,40 +1012,33 @@ def _enter(context: object, slot: Slot, frame: Any) -> None:
 
 
 def _exit(context: object, frame: Any) -> Slot | None:
-    """The slot that ``context`` entered and that this exit ends: the one entered by the
-    generator whose frame this is, if one was; else the innermost one this task entered in
-    that context (whatever frames `AsyncExitStack` or a wrapper run them in), other than a
-    generator's. None when nothing was limited.
-
-    A context object may be shared (`slot()` of a built-in limiter returns one per workload),
-    so the context alone does not tell a generator's slot from its closer's."""
-    found = _in_generators.get(id(frame))
-    if found is not None and (found._frame is not frame or found._context is not context):
-        found = None
+    """The slot that ``context`` entered and that this exit ends: the innermost one this task
+    entered (whatever frames `AsyncExitStack` or a wrapper run them in), or the one entered
+    by the async generator whose frame this is. None when nothing was limited."""
     held = _holding.get()
-    for index in range(len(held) - 1, -1, -1):
+    if held:
+        slot = held[-1]
+        if slot._context is context and not slot._released:
+            # The usual case: the innermost slot of this task, entered in this context.
+            try:
+                _holding.reset(slot._token)
+            except ValueError:  # set in another context: take it out by hand
+                _holding.set(held[:-1])
+            if slot._frame is not None:
+                _in_generators.pop(id(slot._frame), None)
+            return slot
+    for index in range(len(held) - 2, -1, -1):
         slot = held[index]
-        if slot is found or (
-            found is None
-            and slot._frame is None
-            and slot._context is context
-            and not slot._released
-        ):
-            if index == len(held) - 1:
-                try:
-                    _holding.reset(slot._token)
-                except ValueError:  # set in another context: take it out by hand
-                    _holding.set(held[:-1])
-            else:
-                _holding.set(held[:index] + held[index + 1 :])
-            if found is None:
-                return slot
-            break
-    if found is not None:
-        # Closed where it was entered, or elsewhere (another task, thread or context, where
-        # this one is not): by the generator's frame either way.
+        if slot._context is context and not slot._released:
+            _holding.set(held[:index] + held[index + 1 :])
+            if slot._frame is not None:
+                _in_generators.pop(id(slot._frame), None)
+            return slot
+    found = _in_generators.get(id(frame))
+    if found is not None and found._frame is frame and found._context is context:
         del _in_generators[id(frame)]
-    return found
+        return found
+    return None
 
 
 # Slots entered by an async generator, by id(frame) (see _enter).
@@ -1143,14 +1136,8 @@ class SlotContext(Generic[W]):
     ) -> None:
         held = _holding.get()
         slot = held[-1] if held else None
-        if (
-            slot is not None
-            and slot._context is self
-            and slot._frame is None
-            and not _in_generators
-        ):
-            # The usual case, _exit() inlined: the innermost slot of this task, and no
-            # generator's frame that this exit may come from.
+        if slot is not None and slot._context is self and slot._frame is None:
+            # The usual case, _exit() inlined: the innermost slot of this task.
             try:
                 _holding.reset(slot._token)
             except ValueError:  # set in another context: take it out by hand
