@@ -4,7 +4,7 @@ itself, and async generators that enter slots, wherever they are closed; a limit
 
 The faults that a review found in a faster form of the lifecycle (one context object shared
 by every `limiter.slot()` call, `validate_workload` looked up on the limiter's class), one
-test each.
+test each, and the same faults reached through one context object that a user shares.
 """
 
 from __future__ import annotations
@@ -20,6 +20,17 @@ import slotwise
 from slotwise import ConcurrencyConfigError, MemoryLimiter, Workload
 
 pytestmark = pytest.mark.anyio
+
+
+async def _started_in_another_task(generator: AsyncIterator[int]) -> AsyncIterator[int]:
+    """``generator``, run to its first yield by a task that has then ended."""
+
+    async def start() -> None:
+        await generator.__anext__()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(start)
+    return generator
 
 
 async def test_one_context_entered_by_many_tasks_gives_each_its_own_slot() -> None:
@@ -113,13 +124,7 @@ async def test_closing_a_wrapped_generator_never_ends_the_closers_slot() -> None
             await stack.enter_async_context(limiter.slot())
             yield 1
 
-    generator = stream()
-
-    async def start() -> None:
-        await generator.__anext__()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(start)
+    generator = await _started_in_another_task(stream())
     assert limiter.stats_nowait().active == 1
     async with limiter.slot() as mine:
         await generator.aclose()
@@ -166,3 +171,66 @@ async def test_validate_workload_is_used_wherever_the_limiter_defines_it(wrap: A
     async with slotwise.slot(limiter=wrap(inner)) as slot:
         assert slot.workload == "chat"
     assert inner.stats_nowait().active == 0
+
+
+async def test_a_shared_context_ends_a_generators_slot_not_its_closers() -> None:
+    # One context object, entered by a generator in one task, and by another task that
+    # closes the generator inside its own slot: each exit ends its own slot.
+    limiter = MemoryLimiter(max_concurrent=4)
+    shared = limiter.slot(allow_nested=True)
+
+    async def stream() -> AsyncIterator[int]:
+        async with shared:
+            yield 1
+
+    generator = await _started_in_another_task(stream())
+    assert limiter.stats_nowait().active == 1
+    async with shared as mine:
+        await generator.aclose()
+        assert not mine.released
+        assert limiter.stats_nowait().active == 1  # the closer's own, the generator's back
+    assert mine.released
+    assert limiter.stats_nowait().active == 0
+
+
+async def test_a_task_started_in_a_slot_closes_a_generator_after_its_parent_left() -> None:
+    # The task inherits its parent's record of held slots; the parent leaves its slot (of the
+    # same context object as the generator's) before the task closes the generator.
+    limiter = MemoryLimiter(max_concurrent=4)
+    shared = limiter.slot()
+
+    async def stream() -> AsyncIterator[int]:
+        async with shared:
+            yield 1
+
+    generator = await _started_in_another_task(stream())
+    parent_left = anyio.Event()
+    closed: list[bool] = []
+
+    async def close() -> None:
+        await parent_left.wait()
+        await generator.aclose()  # raised RuntimeError (a context token used twice)
+        closed.append(True)
+
+    async with anyio.create_task_group() as tg:
+        async with shared:
+            tg.start_soon(close)
+        parent_left.set()
+    assert closed == [True]
+    assert limiter.stats_nowait().active == 0
+
+
+def test_a_sync_generator_that_enters_two_slots_in_one_frame_ends_both() -> None:
+    limiter = MemoryLimiter(max_concurrent=2)
+
+    def rows() -> Any:
+        with limiter.sync_slot(), limiter.sync_slot(allow_nested=True):
+            yield 1
+
+    for _ in rows():
+        assert limiter.stats_nowait().active == 2
+    assert limiter.stats_nowait().active == 0
+    generator = rows()
+    next(generator)
+    generator.close()
+    assert limiter.stats_nowait().active == 0

@@ -1004,45 +1004,57 @@ def _enter(context: object, slot: Slot, frame: Any) -> None:
         _holding.set(tuple(other for other in held if not other._released))
     slot._token = _holding.set((*_holding.get(), slot))
     if frame.f_code.co_flags & _CO_ANY_GENERATOR:
-        # A generator may be closed, or finalized by the collector, in another thread or
-        # context, where this one is not: the exit then finds the slot by the generator's
-        # frame.
-        slot._frame = frame
-        _in_generators[id(frame)] = slot
+        _entered_by_generator(slot, frame)
+
+
+def _entered_by_generator(slot: Slot, frame: Any) -> None:
+    """A generator may be closed, or finalized by the collector, in another task, thread or
+    context, where its slot is not: its exit then finds the slot by the generator's frame
+    (one frame may hold several slots, innermost last)."""
+    slot._frame = frame
+    _in_generators[id(frame)] = (*_in_generators.get(id(frame), ()), slot)
 
 
 def _exit(context: object, frame: Any) -> Slot | None:
-    """The slot that ``context`` entered and that this exit ends: the innermost one this task
-    entered (whatever frames `AsyncExitStack` or a wrapper run them in), or the one entered
-    by the async generator whose frame this is. None when nothing was limited."""
+    """The slot that ``context`` entered and that this exit ends: the innermost one that the
+    generator whose frame this is entered with ``context``, if it did (wherever it is closed);
+    else the innermost one this task entered with ``context`` (whatever frames
+    `AsyncExitStack` or a wrapper run them in), other than a generator's. None when nothing
+    was limited."""
+    found: Slot | None = None
+    entered = _in_generators.get(id(frame))
+    if entered is not None:
+        for slot in reversed(entered):
+            if slot._frame is frame and slot._context is context:
+                found = slot
+                rest = tuple(other for other in entered if other is not slot)
+                if rest:
+                    _in_generators[id(frame)] = rest
+                else:
+                    del _in_generators[id(frame)]
+                break
     held = _holding.get()
-    if held:
-        slot = held[-1]
-        if slot._context is context and not slot._released:
-            # The usual case: the innermost slot of this task, entered in this context.
-            try:
-                _holding.reset(slot._token)
-            except ValueError:  # set in another context: take it out by hand
-                _holding.set(held[:-1])
-            if slot._frame is not None:
-                _in_generators.pop(id(slot._frame), None)
-            return slot
-    for index in range(len(held) - 2, -1, -1):
+    for index in range(len(held) - 1, -1, -1):
         slot = held[index]
-        if slot._context is context and not slot._released:
-            _holding.set(held[:index] + held[index + 1 :])
-            if slot._frame is not None:
-                _in_generators.pop(id(slot._frame), None)
+        if slot is found or (
+            found is None
+            and slot._frame is None
+            and slot._context is context
+            and not slot._released
+        ):
+            if index == len(held) - 1:
+                try:
+                    _holding.reset(slot._token)
+                except (ValueError, RuntimeError):  # set in another context, or reset there
+                    _holding.set(held[:-1])
+            else:
+                _holding.set(held[:index] + held[index + 1 :])
             return slot
-    found = _in_generators.get(id(frame))
-    if found is not None and found._frame is frame and found._context is context:
-        del _in_generators[id(frame)]
-        return found
-    return None
+    return found
 
 
-# Slots entered by an async generator, by id(frame) (see _enter).
-_in_generators: dict[int, Slot] = {}
+# Slots entered by a generator, by id(frame), innermost last (see _entered_by_generator).
+_in_generators: dict[int, tuple[Slot, ...]] = {}
 
 
 @final
@@ -1121,8 +1133,7 @@ class SlotContext(Generic[W]):
         slot._token = _holding.set(_holding.get() + (slot,))  # noqa: RUF005 (the cheaper)
         frame = sys._getframe(1)
         if frame.f_code.co_flags & _CO_ASYNC_GENERATOR:
-            slot._frame = frame
-            _in_generators[id(frame)] = slot
+            _entered_by_generator(slot, frame)
         if slot._keeper is not None:  # a lease that can be lost: the body can be cancelled
             scope = slot._scope = loop.cancel_scope()
             scope.__enter__()
@@ -1136,8 +1147,15 @@ class SlotContext(Generic[W]):
     ) -> None:
         held = _holding.get()
         slot = held[-1] if held else None
-        if slot is not None and slot._context is self and slot._frame is None:
-            # The usual case, _exit() inlined: the innermost slot of this task.
+        if (
+            slot is not None
+            and slot._context is self
+            and slot._frame is None
+            and not slot._released
+            and not _in_generators
+        ):
+            # The usual case, _exit() inlined: the innermost slot of this task, and no
+            # generator's slot that this exit may be the end of (a context may be shared).
             try:
                 _holding.reset(slot._token)
             except ValueError:  # set in another context: take it out by hand
