@@ -234,3 +234,36 @@ def test_a_sync_generator_that_enters_two_slots_in_one_frame_ends_both() -> None
     next(generator)
     generator.close()
     assert limiter.stats_nowait().active == 0
+
+
+async def test_a_slot_released_by_hand_is_still_its_own_exits() -> None:
+    # A shared context entered inside itself, in one task and in a task started inside it:
+    # an inner slot released by hand is ended by its own exit, which never ends the outer.
+    limiter = MemoryLimiter(max_concurrent=4)
+    shared = limiter.slot(allow_nested=True)
+    async with shared as outer:
+        async with shared as inner:
+            await inner.release()
+        assert not outer.released
+
+        async def child() -> None:
+            async with shared as mine:
+                await mine.release()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(child)
+        assert not outer.released
+        assert limiter.stats_nowait().active == 1
+    assert outer.released
+    assert limiter.stats_nowait().active == 0
+
+
+def test_a_sync_slot_released_by_hand_is_still_its_own_exits() -> None:
+    limiter = MemoryLimiter(max_concurrent=2)
+    shared = limiter.sync_slot(allow_nested=True)
+    with shared as outer:
+        with shared as inner:
+            inner.release_sync()
+        assert not outer.released
+        assert limiter.stats_nowait().active == 1
+    assert outer.released

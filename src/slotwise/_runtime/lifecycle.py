@@ -277,7 +277,7 @@ class Slot:
         self._released = limiter is None
         self._lost = False
         self._scope: Any = None  # the body's cancel scope, when the lease can be lost
-        self._context: object = None  # the `async with` object that entered it, if one did
+        self._context: object = None  # the `async with` object that entered it, until its exit ran
         self._frame: Any = None  # the async generator frame that entered it, if one did
         self._token: Any = None  # its entry in the nested-slot guard (a ContextVar token)
         self._keeper: Any = None  # the keeper that renews the lease, if one must
@@ -999,9 +999,9 @@ def _enter(context: object, slot: Slot, frame: Any) -> None:
     context (its exit finds it there)."""
     slot._context = context
     held = _holding.get()
-    if any(other._released for other in held):
-        # Slots released by an exit that ran elsewhere (below): this context forgets them.
-        _holding.set(tuple(other for other in held if not other._released))
+    if any(other._context is None for other in held):
+        # Slots ended by an exit that ran elsewhere (below): this context forgets them.
+        _holding.set(tuple(other for other in held if other._context is not None))
     slot._token = _holding.set((*_holding.get(), slot))
     if frame.f_code.co_flags & _CO_ANY_GENERATOR:
         _entered_by_generator(slot, frame)
@@ -1027,6 +1027,7 @@ def _exit(context: object, frame: Any) -> Slot | None:
         for slot in reversed(entered):
             if slot._frame is frame and slot._context is context:
                 found = slot
+                slot._context = None  # its exit has run
                 rest = tuple(other for other in entered if other is not slot)
                 if rest:
                     _in_generators[id(frame)] = rest
@@ -1036,12 +1037,9 @@ def _exit(context: object, frame: Any) -> Slot | None:
     held = _holding.get()
     for index in range(len(held) - 1, -1, -1):
         slot = held[index]
-        if slot is found or (
-            found is None
-            and slot._frame is None
-            and slot._context is context
-            and not slot._released
-        ):
+        if slot is found or (found is None and slot._frame is None and slot._context is context):
+            # (A slot released by hand is still this context's until its exit runs.)
+            slot._context = None
             if index == len(held) - 1:
                 try:
                     _holding.reset(slot._token)
@@ -1151,11 +1149,11 @@ class SlotContext(Generic[W]):
             slot is not None
             and slot._context is self
             and slot._frame is None
-            and not slot._released
             and not _in_generators
         ):
             # The usual case, _exit() inlined: the innermost slot of this task, and no
             # generator's slot that this exit may be the end of (a context may be shared).
+            slot._context = None  # its exit has run
             try:
                 _holding.reset(slot._token)
             except ValueError:  # set in another context: take it out by hand
