@@ -10,6 +10,8 @@ test each, and the same faults reached through one context object that a user sh
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +20,7 @@ import pytest
 
 import slotwise
 from slotwise import ConcurrencyConfigError, MemoryLimiter, Workload
+from slotwise._runtime import lifecycle
 
 pytestmark = pytest.mark.anyio
 
@@ -267,3 +270,37 @@ def test_a_sync_slot_released_by_hand_is_still_its_own_exits() -> None:
         assert not outer.released
         assert limiter.stats_nowait().active == 1
     assert outer.released
+
+
+async def test_a_generator_closed_elsewhere_leaves_nothing_alive_in_its_consumer() -> None:
+    # The consumer runs the generator to its yield (its slot is recorded in the consumer's
+    # context), another task closes it: the ended slot keeps neither the generator's frame
+    # (its locals) alive nor a place in the consumer's record of held slots.
+    limiter = MemoryLimiter(max_concurrent=2)
+
+    class Payload:
+        pass
+
+    payloads: list[weakref.ref[Payload]] = []
+
+    async def stream() -> AsyncIterator[int]:
+        payload = Payload()
+        payloads.append(weakref.ref(payload))
+        async with limiter.slot():
+            yield 1
+
+    for _ in range(3):
+        generator = stream()
+        await generator.__anext__()
+
+        async def close(generator: Any = generator) -> None:
+            await generator.aclose()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(close)
+        del generator
+        assert limiter.stats_nowait().active == 0
+    gc.collect()
+    assert [ref() for ref in payloads] == [None, None, None]
+    async with limiter.slot():  # the consumer's next slot forgets the ended ones
+        assert len(lifecycle._holding.get()) == 1

@@ -999,12 +999,20 @@ def _enter(context: object, slot: Slot, frame: Any) -> None:
     context (its exit finds it there)."""
     slot._context = context
     held = _holding.get()
-    if any(other._context is None for other in held):
-        # Slots ended by an exit that ran elsewhere (below): this context forgets them.
-        _holding.set(tuple(other for other in held if other._context is not None))
-    slot._token = _holding.set((*_holding.get(), slot))
+    if held:
+        held = _forget_ended(held)
+    slot._token = _holding.set((*held, slot))
     if frame.f_code.co_flags & _CO_ANY_GENERATOR:
         _entered_by_generator(slot, frame)
+
+
+def _forget_ended(held: tuple[Slot, ...]) -> tuple[Slot, ...]:
+    """``held`` (this context's slots) without those whose exit ran elsewhere (a generator
+    closed in another task or thread): this context forgets them too."""
+    if any(other._context is None for other in held):
+        held = tuple(other for other in held if other._context is not None)
+        _holding.set(held)
+    return held
 
 
 def _entered_by_generator(slot: Slot, frame: Any) -> None:
@@ -1020,35 +1028,43 @@ def _exit(context: object, frame: Any) -> Slot | None:
     generator whose frame this is entered with ``context``, if it did (wherever it is closed);
     else the innermost one this task entered with ``context`` (whatever frames
     `AsyncExitStack` or a wrapper run them in), other than a generator's. None when nothing
-    was limited."""
+    was limited. A slot released by hand is still its context's until its exit runs."""
     found: Slot | None = None
     entered = _in_generators.get(id(frame))
     if entered is not None:
         for slot in reversed(entered):
             if slot._frame is frame and slot._context is context:
                 found = slot
-                slot._context = None  # its exit has run
-                rest = tuple(other for other in entered if other is not slot)
-                if rest:
-                    _in_generators[id(frame)] = rest
-                else:
-                    del _in_generators[id(frame)]
                 break
     held = _holding.get()
     for index in range(len(held) - 1, -1, -1):
         slot = held[index]
         if slot is found or (found is None and slot._frame is None and slot._context is context):
-            # (A slot released by hand is still this context's until its exit runs.)
-            slot._context = None
+            found = slot
             if index == len(held) - 1:
                 try:
                     _holding.reset(slot._token)
-                except (ValueError, RuntimeError):  # set in another context, or reset there
+                except ValueError:  # set in another context: take it out by hand
                     _holding.set(held[:-1])
             else:
                 _holding.set(held[:index] + held[index + 1 :])
-            return slot
+            break
+    if found is not None:
+        _ended(found)
     return found
+
+
+def _ended(slot: Slot) -> None:
+    """``slot``'s exit has run: it is its context's no more, nor its generator's."""
+    slot._context = None
+    frame = slot._frame
+    if frame is not None:
+        slot._frame = None  # the generator's frame, with its locals, is not kept alive
+        rest = tuple(other for other in _in_generators.get(id(frame), ()) if other is not slot)
+        if rest:
+            _in_generators[id(frame)] = rest
+        else:
+            _in_generators.pop(id(frame), None)
 
 
 # Slots entered by a generator, by id(frame), innermost last (see _entered_by_generator).
@@ -1128,7 +1144,10 @@ class SlotContext(Generic[W]):
                 slot._acquired_at = loop.clock()  # _entered(), without events
         # _enter(), inlined.
         slot._context = self
-        slot._token = _holding.set(_holding.get() + (slot,))  # noqa: RUF005 (the cheaper)
+        held = _holding.get()
+        if held:
+            held = _forget_ended(held)
+        slot._token = _holding.set(held + (slot,))  # noqa: RUF005 (the cheaper)
         frame = sys._getframe(1)
         if frame.f_code.co_flags & _CO_ASYNC_GENERATOR:
             _entered_by_generator(slot, frame)
@@ -1153,7 +1172,7 @@ class SlotContext(Generic[W]):
         ):
             # The usual case, _exit() inlined: the innermost slot of this task, and no
             # generator's slot that this exit may be the end of (a context may be shared).
-            slot._context = None  # its exit has run
+            slot._context = None  # its exit has run: _ended(), inlined
             try:
                 _holding.reset(slot._token)
             except ValueError:  # set in another context: take it out by hand
