@@ -304,3 +304,29 @@ async def test_a_generator_closed_elsewhere_leaves_nothing_alive_in_its_consumer
     assert [ref() for ref in payloads] == [None, None, None]
     async with limiter.slot():  # the consumer's next slot forgets the ended ones
         assert len(lifecycle._holding.get()) == 1
+
+
+async def test_overlapping_generators_keep_no_ended_slot_alive() -> None:
+    # Each stream starts before the previous one is closed: a slot's record of the slots held
+    # before it must not keep them alive once they have ended.
+    limiter = MemoryLimiter(max_concurrent=3)
+    slots: list[weakref.ref[slotwise.Slot]] = []
+
+    async def stream() -> AsyncIterator[int]:
+        async with limiter.slot(allow_nested=True) as slot:
+            slots.append(weakref.ref(slot))
+            del slot
+            yield 1
+
+    previous: Any = None
+    for _ in range(50):
+        generator = stream()
+        await generator.__anext__()
+        if previous is not None:
+            await previous.aclose()
+        previous = generator
+    await previous.aclose()
+    del previous, generator
+    gc.collect()
+    assert limiter.stats_nowait().active == 0
+    assert sum(ref() is not None for ref in slots) == 0

@@ -1041,13 +1041,8 @@ def _exit(context: object, frame: Any) -> Slot | None:
         slot = held[index]
         if slot is found or (found is None and slot._frame is None and slot._context is context):
             found = slot
-            if index == len(held) - 1:
-                try:
-                    _holding.reset(slot._token)
-                except ValueError:  # set in another context: take it out by hand
-                    _holding.set(held[:-1])
-            else:
-                _holding.set(held[:index] + held[index + 1 :])
+            # Not reset(): its token's old value may hold slots ended since.
+            _holding.set(held[:index] + held[index + 1 :])
             break
     if found is not None:
         _ended(found)
@@ -1057,6 +1052,7 @@ def _exit(context: object, frame: Any) -> Slot | None:
 def _ended(slot: Slot) -> None:
     """``slot``'s exit has run: it is its context's no more, nor its generator's."""
     slot._context = None
+    slot._token = None  # its old value: the slots held before it, ended since perhaps
     frame = slot._frame
     if frame is not None:
         slot._frame = None  # the generator's frame, with its locals, is not kept alive
@@ -1177,6 +1173,7 @@ class SlotContext(Generic[W]):
                 _holding.reset(slot._token)
             except ValueError:  # set in another context: take it out by hand
                 _holding.set(held[:-1])
+            slot._token = None
         else:
             slot = _exit(self, sys._getframe(1))
             if slot is None:
