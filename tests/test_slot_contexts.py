@@ -330,3 +330,57 @@ async def test_overlapping_generators_keep_no_ended_slot_alive() -> None:
     gc.collect()
     assert limiter.stats_nowait().active == 0
     assert sum(ref() is not None for ref in slots) == 0
+
+
+async def test_a_stack_closed_by_another_task_ends_the_slot_it_entered() -> None:
+    # Entered through AsyncExitStack (so neither by a generator's own frame nor recorded in
+    # the closer's context) and closed by another task: the context's one open entry ends.
+    limiter = MemoryLimiter(max_concurrent=2)
+
+    async def stream() -> AsyncIterator[int]:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(limiter.slot())
+            yield 1
+
+    generator = await _started_in_another_task(stream())
+    assert limiter.stats_nowait().active == 1
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(generator.aclose)
+    assert limiter.stats_nowait().active == 0
+
+    handed = contextlib.AsyncExitStack()
+    held = await handed.enter_async_context(limiter.slot())
+
+    async def close() -> None:
+        await handed.aclose()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(close)
+    assert held.released
+    assert limiter.stats_nowait().active == 0
+
+
+async def test_an_unlimited_entry_never_ends_another_entrys_slot() -> None:
+    # One object, entered inside a run (limited by the run's limiter) and outside any run
+    # (nothing limited): the unlimited exit, run where nothing records the limited entry,
+    # does not end it.
+    limiter = MemoryLimiter(max_concurrent=2)
+    shared = slotwise.slot()
+    entered = anyio.Event()
+    leave = anyio.Event()
+
+    async def limited() -> None:
+        async with slotwise.run(limiter=limiter), shared as slot:
+            assert slot.limiter is limiter
+            entered.set()
+            await leave.wait()
+            assert not slot.released
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(limited)
+        await entered.wait()
+        async with shared as free:
+            assert free.limiter is None
+        assert limiter.stats_nowait().active == 1
+        leave.set()
+    assert limiter.stats_nowait().active == 0

@@ -998,6 +998,8 @@ def _enter(context: object, slot: Slot, frame: Any) -> None:
     """Record that ``context`` (a `SyncSlotContext`) entered ``slot`` in this thread's
     context (its exit finds it there)."""
     slot._context = context
+    context._open += 1  # type: ignore[attr-defined]
+    context._last = slot  # type: ignore[attr-defined]
     held = _holding.get()
     if held:
         held = _forget_ended(held)
@@ -1027,8 +1029,10 @@ def _exit(context: object, frame: Any) -> Slot | None:
     """The slot that ``context`` entered and that this exit ends: the innermost one that the
     generator whose frame this is entered with ``context``, if it did (wherever it is closed);
     else the innermost one this task entered with ``context`` (whatever frames
-    `AsyncExitStack` or a wrapper run them in), other than a generator's. None when nothing
-    was limited. A slot released by hand is still its context's until its exit runs."""
+    `AsyncExitStack` or a wrapper run them in), other than a generator's; else, run where
+    nothing records it (an `AsyncExitStack` closed by another task), the one slot of
+    ``context`` whose exit has not run, if only one has not. None when none is found.
+    A slot released by hand is still its context's until its exit runs."""
     found: Slot | None = None
     entered = _in_generators.get(id(frame))
     if entered is not None:
@@ -1036,6 +1040,10 @@ def _exit(context: object, frame: Any) -> Slot | None:
             if slot._frame is frame and slot._context is context:
                 found = slot
                 break
+    if found is None and context._open == 1:  # type: ignore[attr-defined]
+        last = context._last  # type: ignore[attr-defined]
+        if last._context is context:
+            found = last  # the one entry whose exit has not run: this exit is its
     held = _holding.get()
     for index in range(len(held) - 1, -1, -1):
         slot = held[index]
@@ -1051,6 +1059,7 @@ def _exit(context: object, frame: Any) -> Slot | None:
 
 def _ended(slot: Slot) -> None:
     """``slot``'s exit has run: it is its context's no more, nor its generator's."""
+    slot._context._open -= 1  # type: ignore[attr-defined]
     slot._context = None
     slot._token = None  # its old value: the slots held before it, ended since perhaps
     frame = slot._frame
@@ -1077,7 +1086,9 @@ class SlotContext(Generic[W]):
     last (as `AsyncExitStack` does).
     """
 
-    __slots__ = ("_allow_nested", "_limiter", "_loop", "_tokens", "_workload")
+    __slots__ = ("_allow_nested", "_last", "_limiter", "_loop", "_open", "_tokens", "_workload")
+
+    _last: Slot
 
     def __init__(
         self,
@@ -1094,6 +1105,9 @@ class SlotContext(Generic[W]):
         # The event loop every entry runs on, when its maker knows it (a tool batch's slots
         # are all entered by the batch's own tasks); None: looked up at each entry.
         self._loop = loop
+        # The entries whose exit has not run, and (set by the first) the last entry: an
+        # exit that finds its slot nowhere else ends that one when it is the only one.
+        self._open = 0
 
     async def __aenter__(self) -> Slot:
         # acquire(), inlined: one coroutine less on the path of every provider request.
@@ -1101,11 +1115,10 @@ class SlotContext(Generic[W]):
         slot = Slot(self._workload, self._limiter, self._allow_nested, loop, self._tokens)
         run = slot._run
         limiter = slot.limiter
-        if limiter is None:
-            await loop.turn()
-            return slot
         cls = type(limiter)
-        if cls not in _tethering:
+        if limiter is None:
+            await loop.turn()  # nothing limited; still entered, for its exit to find
+        elif cls not in _tethering:
             await _wait(slot, run, loop)  # which reports the entry itself
         else:
             start: float | None = None  # when the request began to wait; None: it did not
@@ -1140,6 +1153,8 @@ class SlotContext(Generic[W]):
                 slot._acquired_at = loop.clock()  # _entered(), without events
         # _enter(), inlined.
         slot._context = self
+        self._open += 1
+        self._last = slot
         held = _holding.get()
         if held:
             held = _forget_ended(held)
@@ -1169,15 +1184,15 @@ class SlotContext(Generic[W]):
             # The usual case, _exit() inlined: the innermost slot of this task, and no
             # generator's slot that this exit may be the end of (a context may be shared).
             slot._context = None  # its exit has run: _ended(), inlined
+            self._open -= 1
             try:
                 _holding.reset(slot._token)
             except ValueError:  # set in another context: take it out by hand
                 _holding.set(held[:-1])
-            slot._token = None
         else:
             slot = _exit(self, sys._getframe(1))
             if slot is None:
-                return  # nothing was limited
+                return  # not entered (or entered where nothing recorded it, see _exit)
         lost = False
         scope, slot._scope = slot._scope, None
         if scope is not None:
@@ -1281,7 +1296,9 @@ class SyncSlotContext(Generic[W]):
     """`with` form of a slot for code with no event loop: yields the `Slot`, releases it on
     exit. Like `SlotContext`, one object may be entered by many threads at once."""
 
-    __slots__ = ("_allow_nested", "_limiter", "_timeout", "_tokens", "_workload")
+    __slots__ = ("_allow_nested", "_last", "_limiter", "_open", "_timeout", "_tokens", "_workload")
+
+    _last: Slot
 
     def __init__(
         self,
@@ -1296,6 +1313,7 @@ class SyncSlotContext(Generic[W]):
         self._timeout = timeout
         self._allow_nested = allow_nested
         self._tokens = tokens
+        self._open = 0  # as SlotContext's
 
     def __enter__(self) -> Slot:
         slot = acquire_sync(
@@ -1305,8 +1323,7 @@ class SyncSlotContext(Generic[W]):
             tokens=self._tokens,
             allow_nested=self._allow_nested,
         )
-        if slot.lease is not None:
-            _enter(self, slot, sys._getframe(1))
+        _enter(self, slot, sys._getframe(1))
         return slot
 
     def __exit__(
