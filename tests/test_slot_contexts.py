@@ -375,3 +375,28 @@ async def test_an_unlimited_entry_never_ends_another_entrys_slot() -> None:
         assert limiter.stats_nowait().active == 1
         leave.set()
     assert limiter.stats_nowait().active == 0
+
+
+async def test_an_exit_called_once_too_often_ends_no_other_entrys_slot() -> None:
+    # Misuse: an entry's exit called again while another task's entry of the same object is
+    # the only open one. The stray exit ends nothing (it is no exit stack's).
+    limiter = MemoryLimiter(max_concurrent=1)
+    shared = limiter.slot()
+    await shared.__aenter__()
+    await shared.__aexit__(None, None, None)
+    entered = anyio.Event()
+    leave = anyio.Event()
+
+    async def hold() -> None:
+        async with shared as slot:
+            entered.set()
+            await leave.wait()
+            assert not slot.released
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(hold)
+        await entered.wait()
+        await shared.__aexit__(None, None, None)
+        assert limiter.stats_nowait().active == 1
+        leave.set()
+    assert limiter.stats_nowait().active == 0

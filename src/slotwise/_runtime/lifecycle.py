@@ -18,6 +18,7 @@ Two ways to keep a lease alive while it is held:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import logging
@@ -1029,10 +1030,11 @@ def _exit(context: object, frame: Any) -> Slot | None:
     """The slot that ``context`` entered and that this exit ends: the innermost one that the
     generator whose frame this is entered with ``context``, if it did (wherever it is closed);
     else the innermost one this task entered with ``context`` (whatever frames
-    `AsyncExitStack` or a wrapper run them in), other than a generator's; else, run where
-    nothing records it (an `AsyncExitStack` closed by another task), the one slot of
-    ``context`` whose exit has not run, if only one has not. None when none is found.
-    A slot released by hand is still its context's until its exit runs."""
+    `AsyncExitStack` or a wrapper run them in), other than a generator's; else, for an exit
+    that an exit stack runs where nothing records its slot (the stack closed by another task,
+    or by a generator's finalizer), the one slot of ``context`` whose exit has not run, if
+    only one has not. None when none is found. A slot released by hand is still its
+    context's until its exit runs."""
     found: Slot | None = None
     entered = _in_generators.get(id(frame))
     if entered is not None:
@@ -1040,7 +1042,11 @@ def _exit(context: object, frame: Any) -> Slot | None:
             if slot._frame is frame and slot._context is context:
                 found = slot
                 break
-    if found is None and context._open == 1:  # type: ignore[attr-defined]
+    if (
+        found is None
+        and context._open == 1  # type: ignore[attr-defined]
+        and frame.f_code in _STACK_EXITS  # not an exit called by hand, maybe once too often
+    ):
         last = context._last  # type: ignore[attr-defined]
         if last._context is context:
             found = last  # the one entry whose exit has not run: this exit is its
@@ -1071,6 +1077,11 @@ def _ended(slot: Slot) -> None:
         else:
             _in_generators.pop(id(frame), None)
 
+
+# The frames from which an exit stack runs the exits pushed on it.
+_STACK_EXITS = frozenset(
+    (contextlib.AsyncExitStack.__aexit__.__code__, contextlib.ExitStack.__exit__.__code__)
+)
 
 # Slots entered by a generator, by id(frame), innermost last (see _entered_by_generator).
 _in_generators: dict[int, tuple[Slot, ...]] = {}
