@@ -351,29 +351,41 @@ async def test_a_stack_closed_by_another_task_ends_the_slot_it_entered() -> None
     assert limiter.stats_nowait().active == 0
 
 
-async def test_an_unlimited_entry_never_ends_another_entrys_slot() -> None:
-    # One object, entered inside a run (limited by the run's limiter) and outside any run
-    # (nothing limited): the unlimited exit, run where nothing records the limited entry,
-    # does not end it.
-    limiter = MemoryLimiter(max_concurrent=2)
-    shared = slotwise.slot()
+@contextlib.asynccontextmanager
+async def _held_by_another_task(context: Any, limiter: Any = None) -> AsyncIterator[None]:
+    """``context`` entered by another task (in a run of ``limiter``, if given) for as long as
+    the block runs; its slot must be held still when the block ends."""
     entered = anyio.Event()
     leave = anyio.Event()
 
-    async def limited() -> None:
-        async with slotwise.run(limiter=limiter), shared as slot:
-            assert slot.limiter is limiter
+    async def hold() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            if limiter is not None:
+                await stack.enter_async_context(slotwise.run(limiter=limiter))
+            slot = await stack.enter_async_context(context)
+            assert slot.limiter is not None
             entered.set()
             await leave.wait()
             assert not slot.released
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(limited)
+        tg.start_soon(hold)
         await entered.wait()
-        async with shared as free:
+        yield
+        leave.set()
+
+
+async def test_an_unlimited_entry_never_ends_another_entrys_slot() -> None:
+    # One object, entered inside a run (limited by the run's limiter) and outside any run
+    # (nothing limited), each through an exit stack: the unlimited exit never ends the
+    # limited entry, the one open entry that its task does not record.
+    limiter = MemoryLimiter(max_concurrent=2)
+    shared = slotwise.slot()
+    async with _held_by_another_task(shared, limiter):
+        async with contextlib.AsyncExitStack() as stack:
+            free = await stack.enter_async_context(shared)
             assert free.limiter is None
         assert limiter.stats_nowait().active == 1
-        leave.set()
     assert limiter.stats_nowait().active == 0
 
 
@@ -384,19 +396,7 @@ async def test_an_exit_called_once_too_often_ends_no_other_entrys_slot() -> None
     shared = limiter.slot()
     await shared.__aenter__()
     await shared.__aexit__(None, None, None)
-    entered = anyio.Event()
-    leave = anyio.Event()
-
-    async def hold() -> None:
-        async with shared as slot:
-            entered.set()
-            await leave.wait()
-            assert not slot.released
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(hold)
-        await entered.wait()
+    async with _held_by_another_task(shared):
         await shared.__aexit__(None, None, None)
         assert limiter.stats_nowait().active == 1
-        leave.set()
     assert limiter.stats_nowait().active == 0
