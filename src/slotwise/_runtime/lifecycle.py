@@ -278,8 +278,9 @@ class Slot:
         self._released = limiter is None
         self._lost = False
         self._scope: Any = None  # the body's cancel scope, when the lease can be lost
-        self._context: object = None  # the `async with` object that entered it, until its exit ran
-        self._frame: Any = None  # the async generator frame that entered it, if one did
+        # The `async with` (or `with`) object that entered it, until its exit ran.
+        self._context: SlotContext[Any] | SyncSlotContext[Any] | None = None
+        self._frame: Any = None  # the generator frame that entered it, until its exit ran
         self._token: Any = None  # its entry in the nested-slot guard (a ContextVar token)
         self._keeper: Any = None  # the keeper that renews the lease, if one must
         self._tokens = tokens or 0  # the tokens charged for it: the estimate, then what was used
@@ -995,12 +996,12 @@ _CO_ASYNC_GENERATOR = inspect.CO_ASYNC_GENERATOR
 _CO_ANY_GENERATOR = inspect.CO_ASYNC_GENERATOR | inspect.CO_GENERATOR
 
 
-def _enter(context: object, slot: Slot, frame: Any) -> None:
+def _enter(context: SyncSlotContext[Any], slot: Slot, frame: Any) -> None:
     """Record that ``context`` (a `SyncSlotContext`) entered ``slot`` in this thread's
     context (its exit finds it there)."""
     slot._context = context
-    context._open += 1  # type: ignore[attr-defined]
-    context._last = slot  # type: ignore[attr-defined]
+    context._open += 1
+    context._last = slot
     held = _holding.get()
     if held:
         held = _forget_ended(held)
@@ -1026,7 +1027,7 @@ def _entered_by_generator(slot: Slot, frame: Any) -> None:
     _in_generators[id(frame)] = (*_in_generators.get(id(frame), ()), slot)
 
 
-def _exit(context: object, frame: Any) -> Slot | None:
+def _exit(context: SlotContext[Any] | SyncSlotContext[Any], frame: Any) -> Slot | None:
     """The slot that ``context`` entered and that this exit ends: the innermost one that the
     generator whose frame this is entered with ``context``, if it did (wherever it is closed);
     else the innermost one this task entered with ``context`` (whatever frames
@@ -1044,10 +1045,10 @@ def _exit(context: object, frame: Any) -> Slot | None:
                 break
     if (
         found is None
-        and context._open == 1  # type: ignore[attr-defined]
+        and context._open == 1
         and frame.f_code in _STACK_EXITS  # not an exit called by hand, maybe once too often
     ):
-        last = context._last  # type: ignore[attr-defined]
+        last = context._last
         if last._context is context:
             found = last  # the one entry whose exit has not run: this exit is its
     held = _holding.get()
@@ -1059,13 +1060,14 @@ def _exit(context: object, frame: Any) -> Slot | None:
             _holding.set(held[:index] + held[index + 1 :])
             break
     if found is not None:
-        _ended(found)
+        _ended(context, found)
     return found
 
 
-def _ended(slot: Slot) -> None:
-    """``slot``'s exit has run: it is its context's no more, nor its generator's."""
-    slot._context._open -= 1  # type: ignore[attr-defined]
+def _ended(context: SlotContext[Any] | SyncSlotContext[Any], slot: Slot) -> None:
+    """``slot``, which ``context`` entered, has had its exit: it is that context's no more,
+    nor its generator's."""
+    context._open -= 1
     slot._context = None
     slot._token = None  # its old value: the slots held before it, ended since perhaps
     frame = slot._frame
