@@ -489,17 +489,27 @@ class MemoryLimiter(BuiltinLimiter[W]):
         # A call of its own: what it wakes is not kept alive by the frame of every waiter.
         state = self._state
         waker: Waker | None = None
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not `with`: see release_nowait()
+        try:
             now = self._now(loop)
             # Checked under the lock: set_limits() may have removed the workload since the
             # request named it (a workload kept only for its held slots takes nothing more).
-            resolve_workload(self._settings, workload)
+            rule = self._settings.workloads.get(workload)
+            if rule is None:
+                resolve_workload(self._settings, workload)  # raises: unknown
             ticket, granted = state.submit(workload, now, holder, tokens)
-            end = until = self._end(workload, now, loop, deadline)
+            # _end(), without its calls when there is neither deadline nor max_wait.
+            if deadline is None and rule is not None and rule.max_wait is None:
+                end = until = math.inf
+            else:
+                end = until = self._end(workload, now, loop, deadline)
             if ticket.lease is None and ticket.refused is None and now < end:
                 waker = ThreadWaker() if loop is None else loop.waker()
-                until = min(end, self._watchers.park(ticket, waker, state.next_wake(now)))
+                until = min(end, self._watchers.park(ticket, waker, state, now))
             wakers = self._settle(granted, ticket.lease)
+        finally:
+            lock.release()
         _wake(wakers)
         if ticket.refused is not None:
             raise ticket.refused
@@ -608,7 +618,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
                 timed_out = True
             else:
                 waker = ThreadWaker() if loop is None else loop.waker()
-                until = min(until, self._watchers.park(ticket, waker, state.next_wake(now)))
+                until = min(until, self._watchers.park(ticket, waker, state, now))
             wakers = self._settle(granted)
         _wake(wakers)
         if ticket.refused is not None:
@@ -718,9 +728,9 @@ class _Watchers:
         self._watching: dict[int, Ticket] = {}  # each thread's watcher
         self.alarms: dict[int, float] = {}  # when each watcher wakes up, on the state's clock
 
-    def park(self, ticket: Ticket, waker: Waker, next_expiry: float | None) -> float:
+    def park(self, ticket: Ticket, waker: Waker, state: LimiterState, now: float) -> float:
         """``ticket`` parks on ``waker``, a new one; returns when it must wake up for the
-        clock (``inf``: never)."""
+        clock (``inf``: never), which only its thread's watcher asks ``state``."""
         thread = waker.thread
         previous = ticket.waker
         if previous is not None and previous.parked:
@@ -735,7 +745,8 @@ class _Watchers:
                 return math.inf
             # Its event loop was closed with it waiting: it can never wake up to watch.
             self._watching[thread] = ticket
-        alarm = self.alarms[thread] = math.inf if next_expiry is None else next_expiry
+        wake = state.next_wake(now)
+        alarm = self.alarms[thread] = math.inf if wake is None else wake
         return alarm
 
     def leave(self, ticket: Ticket) -> list[Ticket]:

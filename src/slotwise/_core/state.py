@@ -227,7 +227,9 @@ class LimiterState:
         cost = _NO_COST if not tokens else {"requests": 1, "tokens": tokens}
         if self.bank.buckets:
             check_cost(self.bank, workload, cost)
-        swept = self.tick(now)
+        expiries = self._expiries
+        # tick(), when time alone may have granted something (not a call per request).
+        swept = self.tick(now) if self.timed or (expiries and expiries[0][0] <= now) else []
         ticket = Ticket(
             seq=next(self._seq), workload=workload, enqueued_at=now, holder=holder, cost=cost
         )
@@ -252,7 +254,12 @@ class LimiterState:
             if ticket.lease is not None:
                 granted.remove(ticket)
                 return ticket, granted
-        full = self._full(workload)
+        # _full(), only where a bound is set.
+        full = (
+            None
+            if self.max_queued is None and self.rules.workloads[workload].max_queued is None
+            else self._full(workload)
+        )
         if full is not None:
             ticket.refused = ConcurrencyQueueFullError(full)
             granted += self.withdraw(ticket, now)
