@@ -639,3 +639,33 @@ async def test_cancelling_ten_thousand_waiters_in_random_order() -> None:
     await limiter.release(held)
     fresh = await limiter.acquire(now_or_never())
     await limiter.release(fresh)
+
+
+@on_mock_clock()
+async def test_a_stale_expiry_entry_does_not_send_a_free_slot_down_the_waiting_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A renewed and then released lease leaves entries in the expiry heap that no lease
+    # owns; once their time passes, a free slot is still taken at once, not submitted to
+    # the queue (which would sweep them first).
+    limiter = MemoryLimiter(max_concurrent=2, lease_ttl=10.0)
+    lease = await limiter.acquire(req())
+    await anyio.sleep(6.0)
+    assert await limiter.renew(lease) is not None
+    await anyio.sleep(2.0)
+    await limiter.release(lease)
+    await anyio.sleep(3.0)  # past the first entry's time (10) and before the second (16)
+    submitted: list[str] = []
+    take = MemoryLimiter._take
+
+    def spy(self: MemoryLimiter, workload: str, *args: object, **kwargs: object) -> object:
+        submitted.append(workload)
+        return take(self, workload, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MemoryLimiter, "_take", spy)
+    async with limiter.slot() as slot:
+        assert slot.lease is not None
+        # The stale entries are gone; the heap's only entry is the new lease's.
+        assert limiter._state._expiries == [(slot.lease.expires_at, slot.lease.lease_id)]
+    assert submitted == []
+    assert (await limiter.stats()).active == 0

@@ -284,9 +284,11 @@ class LimiterState:
         """Grant a slot now if the request would not have to wait, else take nothing (the
         caller then submits it). Only the plain case: nobody of its workload queued ahead,
         no lease to sweep, no rate bucket and no pause to consult."""
-        expiries = self._expiries
-        if self.timed or self.queues[workload] or (expiries and expiries[0][0] <= now):
+        if self.timed or self.queues[workload]:
             return None
+        expiries = self._expiries
+        if expiries and expiries[0][0] <= now and (self.next_expiry() or math.inf) <= now:
+            return None  # a lease may have expired: the caller's submit sweeps it first
         rules = self.rules
         rule = rules.workloads[workload]
         held = self.active[workload]
