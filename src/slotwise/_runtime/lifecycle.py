@@ -1196,10 +1196,11 @@ class SlotContext(Generic[W]):
         ):
             # The usual case, _exit() inlined: the innermost slot of this task, and no
             # generator's slot that this exit may be the end of (a context may be shared).
-            slot._context = None  # its exit has run: _ended(), inlined
+            slot._context = None  # its exit has run: _ended(), inlined (it has no frame)
             self._open -= 1
+            token, slot._token = slot._token, None
             try:
-                _holding.reset(slot._token)
+                _holding.reset(token)
             except ValueError:  # set in another context: take it out by hand
                 _holding.set(held[:-1])
         else:
