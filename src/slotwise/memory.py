@@ -639,21 +639,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
         lock.acquire()  # not `with`: see release_nowait()
         try:
             granted = state.withdraw(ticket, self._clock())
-            watchers = self._watchers
-            waker = ticket.waker
-            if (
-                waker is not None
-                and waker.parked
-                and watchers._watching.get(waker.thread) is not ticket
-            ):
-                # _Watchers.leave(), inlined for a waiter that does not watch the clock.
-                waker.parked = False
-                others = watchers._waiting.pop(waker.thread, 1) - 1
-                if others:
-                    watchers._waiting[waker.thread] = others
-            else:
-                granted += watchers.leave(ticket)
-            if not granted and (not watchers.alarms or not state.timed):
+            granted += self._watchers.leave(ticket)
+            if not granted and (not self._watchers.alarms or not state.timed):
                 return  # nothing to wake: no grant, and no clock watch to move earlier
             wakers = self._settle(granted)
         finally:
