@@ -483,9 +483,10 @@ class MemoryLimiter(BuiltinLimiter[W]):
         deadline: float | None,
     ) -> tuple[Ticket, float, Waker | None, float]:
         """Add the request to the state: granted at once, or waiting. Returns it, when it
-        stops waiting (`_end`) and, if it waits, the waker to park on and when to wake up
-        (the first `_step`, under the same lock; None: look with `_step`). Raises its refusal
-        (a full queue, a workload that is gone) after waking what the submit granted."""
+        stops waiting (its deadline or max_wait, on the state's clock) and, if it waits, the
+        waker to park on and when to wake up (the first `_step`, under the same lock; None:
+        look with `_step`). Raises its refusal (a full queue, a workload that is gone) after
+        waking what the submit granted."""
         # A call of its own: what it wakes is not kept alive by the frame of every waiter.
         state = self._state
         waker: Waker | None = None
@@ -499,11 +500,13 @@ class MemoryLimiter(BuiltinLimiter[W]):
             if rule is None:
                 resolve_workload(self._settings, workload)  # raises: unknown
             ticket, granted = state.submit(workload, now, holder, tokens)
-            # _end(), without its calls when there is neither deadline nor max_wait.
-            if deadline is None and rule is not None and rule.max_wait is None:
-                end = until = math.inf
-            else:
-                end = until = self._end(workload, now, loop, deadline)
+            # When it stops waiting, on the state's clock: its deadline, its max_wait.
+            end = math.inf
+            if deadline is not None:
+                end = deadline if loop is None else deadline - loop.now() + self._clock()
+            if rule is not None and rule.max_wait is not None:
+                end = min(end, now + rule.max_wait)
+            until = end
             if ticket.lease is None and ticket.refused is None and now < end:
                 waker = ThreadWaker() if loop is None else loop.waker()
                 until = min(end, self._watchers.park(ticket, waker, state, now))
@@ -573,18 +576,6 @@ class MemoryLimiter(BuiltinLimiter[W]):
             self._watchers = _Watchers(self._state.queues)
             return True
         return False
-
-    def _end(
-        self, workload: str, enqueued_at: float, loop: Loop | None, deadline: float | None
-    ) -> float:
-        """When a request enqueued at `enqueued_at` stops waiting, on the state's clock."""
-        end = math.inf
-        if deadline is not None:
-            end = deadline if loop is None else deadline - loop.now() + self._clock()
-        max_wait = self._max_wait(workload)
-        if max_wait is not None:
-            end = min(end, enqueued_at + max_wait)
-        return end
 
     def _max_wait(self, workload: str) -> float | None:
         """The workload's `max_wait`; None once set_limits() removed it (its waiters are
