@@ -400,3 +400,17 @@ async def test_an_exit_called_once_too_often_ends_no_other_entrys_slot() -> None
         await shared.__aexit__(None, None, None)
         assert limiter.stats_nowait().active == 1
     assert limiter.stats_nowait().active == 0
+
+
+async def test_an_ended_slot_kept_by_its_user_keeps_no_slot_held_before_it() -> None:
+    # The usual exit ends the slot as every exit does: its nested-guard token (whose old
+    # value is the tuple of slots held before it) goes with it.
+    limiter = MemoryLimiter(max_concurrent=2)
+    async with limiter.slot() as outer:
+        async with limiter.slot(allow_nested=True) as inner:
+            pass
+    outer_ref = weakref.ref(outer)
+    del outer
+    gc.collect()
+    assert inner.released
+    assert outer_ref() is None
