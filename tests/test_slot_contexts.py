@@ -406,9 +406,8 @@ async def test_an_ended_slot_kept_by_its_user_keeps_no_slot_held_before_it() -> 
     # The usual exit ends the slot as every exit does: its nested-guard token (whose old
     # value is the tuple of slots held before it) goes with it.
     limiter = MemoryLimiter(max_concurrent=2)
-    async with limiter.slot() as outer:
-        async with limiter.slot(allow_nested=True) as inner:
-            pass
+    async with limiter.slot() as outer, limiter.slot(allow_nested=True) as inner:
+        pass
     outer_ref = weakref.ref(outer)
     del outer
     gc.collect()
