@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, final, overload
 
 from ._base import BuiltinLimiter
@@ -698,6 +698,21 @@ def _slow_start(settings: Settings) -> bool:
     return settings.adaptive is not None and settings.adaptive.slow_start
 
 
+class _Thread:
+    """The waiters of one thread on one limiter: how many are parked, and which of them
+    watches the clock. The wakers of the ones counted point to it (``Waker.parked``)."""
+
+    __slots__ = ("thread", "waiting", "watcher")
+
+    def __init__(self, thread: int, watcher: Ticket) -> None:
+        self.thread = thread
+        self.waiting = 0
+        self.watcher: Ticket | None = watcher
+
+
+_NOBODY: tuple[Ticket, ...] = ()
+
+
 class _Watchers:
     """Which waiter of each thread watches the clock for leases that expire unrenewed.
 
@@ -707,68 +722,72 @@ class _Watchers:
     delays nobody on another one. A watcher that leaves hands its watch to the newest waiter
     of its thread (grants go in arrival order: it leaves last, so a hand-off does not pass the
     watch on at every grant), which it wakes so that it re-arms. No entry per waiter is kept:
-    each thread's waiters are counted (a waker knows whether it is), and the newest is found
-    from the tails of the queues, only when its thread has one.
+    each thread's waiters are counted (a waker knows which count it is in), and the newest is
+    found from the tails of the queues, only when its thread has one.
     """
 
-    __slots__ = ("_queues", "_waiting", "_watching", "alarms")
+    __slots__ = ("_queues", "_threads", "alarms")
 
     def __init__(self, queues: Mapping[str, OrderedDict[int, Ticket]]) -> None:
         self._queues = queues  # the state's queues, each in arrival order
-        self._waiting: dict[int, int] = {}  # parked waiters, by thread
-        self._watching: dict[int, Ticket] = {}  # each thread's watcher
+        self._threads: dict[int, _Thread] = {}  # the threads with a waiter parked
         self.alarms: dict[int, float] = {}  # when each watcher wakes up, on the state's clock
 
     def park(self, ticket: Ticket, waker: Waker, state: LimiterState, now: float) -> float:
         """``ticket`` parks on ``waker``, a new one; returns when it must wake up for the
         clock (``inf``: never), which only its thread's watcher asks ``state``."""
-        thread = waker.thread
         previous = ticket.waker
-        if previous is not None and previous.parked:
-            previous.parked = False  # parked again: it was counted
+        home = None if previous is None else previous.parked
+        if home is not None:
+            previous.parked = None  # parked again: it was counted
         else:
-            self._waiting[thread] = self._waiting.get(thread, 0) + 1
-        waker.parked = True
+            thread = waker.thread
+            home = self._threads.get(thread)
+            if home is None:
+                home = self._threads[thread] = _Thread(thread, ticket)
+            home.waiting += 1
+        waker.parked = home
         ticket.waker = waker
-        watcher = self._watching.setdefault(thread, ticket)
+        watcher = home.watcher
         if watcher is not ticket:
-            if watcher.waker.alive():
+            if watcher is not None and watcher.waker.alive():
                 return math.inf
             # Its event loop was closed with it waiting: it can never wake up to watch.
-            self._watching[thread] = ticket
+            home.watcher = ticket
         wake = state.next_wake(now)
-        alarm = self.alarms[thread] = math.inf if wake is None else wake
+        alarm = self.alarms[home.thread] = math.inf if wake is None else wake
         return alarm
 
-    def leave(self, ticket: Ticket) -> list[Ticket]:
+    def leave(self, ticket: Ticket) -> Sequence[Ticket]:
         """``ticket`` stops waiting (it is out of the queues already). Idempotent. Returns
         the waiter to wake to take over its watch."""
         waker = ticket.waker
-        if waker is None or not waker.parked:
-            return []
-        waker.parked = False
-        thread = waker.thread
-        others = self._waiting.pop(thread, 1) - 1  # a ticket of a state since dropped: none
-        if others:
-            self._waiting[thread] = others
-        if self._watching.get(thread) is not ticket:
-            return []
-        del self._watching[thread]
+        home: _Thread | None = None if waker is None else waker.parked
+        if home is None:
+            return _NOBODY
+        waker.parked = None
+        home.waiting -= 1
+        if home.watcher is not ticket:
+            return _NOBODY
+        thread = home.thread
+        if self._threads.get(thread) is not home:
+            return _NOBODY  # a ticket of a state since dropped
         self.alarms.pop(thread, None)
-        successor = self._newest(thread) if others else None
+        successor = self._newest(home) if home.waiting else None
+        home.watcher = successor
         if successor is None:
-            return []
-        self._watching[thread] = successor
+            del self._threads[thread]
+            return _NOBODY
         self.alarms[thread] = math.inf  # until it wakes up and re-arms
-        return [successor]
+        return (successor,)
 
-    def _newest(self, thread: int) -> Ticket | None:
-        """The waiter of ``thread`` that arrived last."""
+    def _newest(self, home: _Thread) -> Ticket | None:
+        """The waiter counted in ``home`` that arrived last."""
         newest: Ticket | None = None
         for queue in self._queues.values():
             for ticket in reversed(queue.values()):
                 waker = ticket.waker
-                if waker is not None and waker.parked and waker.thread == thread:
+                if waker is not None and waker.parked is home:
                     if newest is None or ticket.seq > newest.seq:
                         newest = ticket
                     break
@@ -780,9 +799,9 @@ class _Watchers:
         for thread, alarm in self.alarms.items():
             if expires_at < alarm:
                 self.alarms[thread] = expires_at
-                waker = self._watching[thread].waker
-                if waker is not None:
-                    wakers.append(waker)
+                watcher = self._threads[thread].watcher
+                if watcher is not None and watcher.waker is not None:
+                    wakers.append(watcher.waker)
         return wakers
 
 

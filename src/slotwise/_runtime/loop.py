@@ -54,7 +54,9 @@ class Waker:
     __slots__ = ("parked", "thread")
 
     thread: int  # the thread the waiter runs in
-    parked: bool  # counted among its thread's waiters by the limiter that it waits on
+    # The record that counts it among its thread's waiters, kept by the limiter it waits
+    # on (None: not counted).
+    parked: Any
 
     def wake(self) -> None:
         """Wake the waiter (harmless if it was woken already or has gone)."""
@@ -138,7 +140,7 @@ class _FutureWaker(Waker):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, thread: int) -> None:
         self.thread = thread
-        self.parked = False
+        self.parked = None
         self.future: asyncio.Future[None] = loop.create_future()
 
     def wake(self) -> None:
@@ -276,7 +278,7 @@ class _TrioWaker(Waker):
         self._task: Any = None
         self.token = token
         self.thread = thread
-        self.parked = False
+        self.parked = None
 
     def wake(self) -> None:
         if _ident() == self.thread:
@@ -364,7 +366,7 @@ class ThreadWaker(Waker):
     def __init__(self) -> None:
         self._event = threading.Event()
         self.thread = _ident()
-        self.parked = False
+        self.parked = None
 
     def wake(self) -> None:
         self._event.set()
