@@ -641,3 +641,25 @@ def test_a_threads_last_waiter_leaves_its_watch_without_a_search(
     assert served == 200
     assert limiter.stats_nowait().active == 0
     assert searches < 10, f"{searches} searches for a successor"
+
+
+def test_a_waiter_of_a_dropped_state_that_parks_again_is_counted_by_the_new_watchers() -> None:
+    """A limiter drops the state of a finished virtual-clock run with new clock watchers. A
+    waiter still parked in that state that wakes and parks again is counted, and watches, in
+    the new watchers' table of its thread, not in the dropped one: its alarm always has a
+    watcher to wake, and it leaves nothing behind."""
+    from slotwise import memory
+    from slotwise._core.state import Ticket
+    from slotwise._runtime.loop import ThreadWaker
+
+    state = MemoryLimiter(max_concurrent=1)._state
+    ticket = Ticket(seq=1, workload="default", enqueued_at=0.0)
+    dropped = memory._Watchers(state.queues)
+    dropped.park(ticket, ThreadWaker(), state, 0.0)
+    watchers = memory._Watchers(state.queues)
+    watchers.park(ticket, ThreadWaker(), state, 0.0)  # woken, it parks again
+
+    assert watchers.earlier(-1.0) == [ticket.waker]  # the watcher of its thread
+    assert not watchers.leave(ticket)
+    assert not watchers.alarms
+    assert not watchers._threads

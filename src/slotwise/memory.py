@@ -737,14 +737,15 @@ class _Watchers:
         """``ticket`` parks on ``waker``, a new one; returns when it must wake up for the
         clock (``inf``: never), which only its thread's watcher asks ``state``."""
         previous = ticket.waker
-        home = None if previous is None else previous.parked
-        if home is not None:
+        home: _Thread | None = None if previous is None else previous.parked
+        if home is not None and self._threads.get(home.thread) is home:
             previous.parked = None  # parked again: it was counted
-        else:
+        else:  # not counted yet, or only by the watchers of a state since dropped
             thread = waker.thread
             home = self._threads.get(thread)
             if home is None:
-                home = self._threads[thread] = _Thread(thread, ticket)
+                home = _Thread(thread, ticket)
+                self._threads[thread] = home
             home.waiting += 1
         waker.parked = home
         ticket.waker = waker
