@@ -419,6 +419,43 @@ async def test_a_limiter_in_use_on_a_virtual_clock_refuses_other_loops_clearly()
     assert "virtual clock" in str(error)
 
 
+def test_a_virtual_clock_reused_by_a_later_run_belongs_to_that_run() -> None:
+    """A test that reuses its MockClock for a second trio run: the limiter follows the second
+    run, so another thread finds the one slot held there, and is refused, instead of taking
+    the run for the finished first one and dropping the slot it holds."""
+    limiter = MemoryLimiter(name="mock", max_concurrent=1)
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    entered: list[str] = []
+    errors: list[BaseException] = []
+
+    async def first() -> None:
+        async with limiter.slot():
+            entered.append("first run")
+
+    def from_a_thread() -> None:
+        async def main() -> None:
+            # Nested only in the context that trio's thread copies: another loop's slot.
+            async with limiter.slot(allow_nested=True):
+                entered.append("another thread, while the second run holds the slot")
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            errors.append(exc)
+
+    async def second() -> None:
+        async with limiter.slot():
+            entered.append("second run")
+            await trio.to_thread.run_sync(from_a_thread)
+
+    trio.run(first, clock=clock)
+    trio.run(second, clock=clock)
+    assert entered == ["first run", "second run"]
+    [error] = errors
+    assert isinstance(error, ConcurrencyConfigError)
+    assert "virtual clock" in str(error)
+
+
 class _Spinning(trio.abc.Instrument):
     """Cancels ``scope`` once the run has stepped tasks 10,000 times at one virtual time: a
     task that never blocks (a wait of zero, again and again) keeps a virtual clock from

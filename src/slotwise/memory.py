@@ -417,8 +417,10 @@ class MemoryLimiter(BuiltinLimiter[W]):
         lock = self._lock
         lock.acquire()  # not `with`: see release_nowait()
         try:
-            if loop.virtual is not self._domain:
-                self._now(loop)  # follow (or refuse) another clock
+            if loop.virtual is not self._domain or (
+                self._owner is not None and loop.identity is not self._owner
+            ):
+                self._now(loop)  # follow (or refuse) another clock, or another run of it
             try:
                 record = self._state.take_nowait(workload, self._clock(), tether)
             except KeyError:
@@ -561,6 +563,10 @@ class MemoryLimiter(BuiltinLimiter[W]):
             self._owner = None if domain is None else loop.identity  # type: ignore[union-attr]
             self._clock = time.monotonic if domain is None else domain.current_time
             state.rebase(self._clock())
+        elif domain is not None:
+            # The same virtual clock in another trio run (a test that reuses its MockClock):
+            # the newest run is the one whose end makes what is left abandoned.
+            self._owner = loop.identity  # type: ignore[union-attr]
         return self._clock()
 
     def _abandoned(self) -> bool:
