@@ -392,6 +392,57 @@ def test_a_limiter_left_with_slots_by_a_finished_virtual_clock_run_serves_again(
     asyncio.run(use())  # real time: the finished run's slot is gone with it
 
 
+def _collected_inside_the_lock(limiter: MemoryLimiter[str]) -> None:
+    """Run the garbage collector while this thread holds ``limiter``'s lock, as it may run at
+    any allocation of the limiter's own locked sections; fail if that does not return (a
+    finalizer that waits for the lock would wait for ever: it is not reentrant)."""
+    done = threading.Event()
+
+    def collect() -> None:
+        with limiter._lock:
+            gc.collect()
+        done.set()
+
+    thread = threading.Thread(target=collect, daemon=True)
+    thread.start()
+    assert done.wait(10), "the collector's finalizers wait for the lock they interrupted"
+
+
+def test_a_waiter_closed_by_the_collector_inside_the_lock_gives_its_slot_back() -> None:
+    """A request granted its slot on an asyncio loop that was closed is left as garbage; the
+    collector closes its coroutine wherever it runs, here inside the limiter's lock in the
+    same thread. Its withdrawal must not wait there for ever, and the slot must come back
+    (not only when its lease expires). asyncio only: a trio run ends only when its tasks
+    have."""
+    limiter = MemoryLimiter(name="collected", max_concurrent=1, lease_ttl=60)
+    held = slotwise._runtime.lifecycle.acquire_sync(limiter=limiter)
+
+    async def wait_for_slot() -> None:
+        me = asyncio.current_task()  # noqa: F841  (a cycle: the task, its coroutine, its frame)
+        async with limiter.slot(allow_nested=True):
+            pass
+
+    async def leave_a_waiter() -> None:
+        asyncio.ensure_future(wait_for_slot())  # noqa: RUF006  (left behind on purpose)
+        await asyncio.sleep(0.05)
+
+    gc.collect()
+    gc.disable()  # until the collection inside the lock
+    try:
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(leave_a_waiter())
+        loop.close()  # the waiter is left as garbage, for the collector to close
+        limiter.release_nowait(held.lease)  # granted to the waiter, whose loop is closed
+        assert limiter.stats_nowait().active == 1
+        _collected_inside_the_lock(limiter)
+    finally:
+        gc.enable()
+    deadline = time.monotonic() + 5
+    while limiter.stats_nowait().active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert limiter.stats_nowait().active == 0  # not held until its lease_ttl of 60 s
+
+
 async def test_a_limiter_in_use_on_a_virtual_clock_refuses_other_loops_clearly() -> None:
     limiter = MemoryLimiter(name="mock", max_concurrent=1)
     errors: list[BaseException] = []

@@ -33,6 +33,11 @@ __all__ = ("MemoryLimiter",)
 
 _logger = logging.getLogger("slotwise")
 
+# How long a request whose coroutine is closed (not cancelled) waits for the limiter's lock
+# before it withdraws in a thread of its own (`MemoryLimiter._leave_closed`): far longer
+# than any section holds it.
+_PATIENCE = 0.1
+
 
 @final
 class Unchanged:
@@ -471,6 +476,9 @@ class MemoryLimiter(BuiltinLimiter[W]):
                     return record
                 parked = True
                 waker = None
+        except GeneratorExit:
+            self._leave_closed(ticket)
+            raise
         except BaseException:
             # Cancelled while waiting, or as the slot was granted: give it back either way.
             self._leave(ticket)
@@ -629,6 +637,21 @@ class MemoryLimiter(BuiltinLimiter[W]):
             )
             raise wait_timeout(now - ticket.enqueued_at, max_wait, by_max_wait)
         return record, waker, until
+
+    def _leave_closed(self, ticket: Ticket) -> None:
+        """`_leave()` for a request whose coroutine was closed, not cancelled: maybe by the
+        garbage collector (its event loop closed with it waiting), which runs wherever an
+        allocation triggers it, in this very thread inside one of the limiter's sections,
+        say, and the lock is not reentrant. If the lock is not free within `_PATIENCE`, the
+        request withdraws in a thread of its own, which waits for it."""
+        lock = self._lock
+        if not lock.acquire(True, _PATIENCE):
+            threading.Thread(
+                target=self._leave, args=(ticket,), name="slotwise-leave", daemon=True
+            ).start()
+            return
+        lock.release()  # free, so not held by this thread: the usual withdrawal can wait
+        self._leave(ticket)
 
     def _leave(self, ticket: Ticket) -> None:
         state = self._state
