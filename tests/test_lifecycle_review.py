@@ -17,6 +17,7 @@ import itertools
 import math
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -437,10 +438,61 @@ def test_a_waiter_closed_by_the_collector_inside_the_lock_gives_its_slot_back() 
         _collected_inside_the_lock(limiter)
     finally:
         gc.enable()
+    _comes_back(limiter)
+
+
+def _comes_back(limiter: MemoryLimiter[str]) -> None:
     deadline = time.monotonic() + 5
     while limiter.stats_nowait().active and time.monotonic() < deadline:
         time.sleep(0.01)
     assert limiter.stats_nowait().active == 0  # not held until its lease_ttl of 60 s
+
+
+def test_a_slot_taken_at_once_and_closed_by_the_collector_inside_the_lock_comes_back() -> None:
+    """As above, for a request that took its slot at once and had not resumed from the turn
+    after it when its loop was closed. asyncio only, as above."""
+    limiter = MemoryLimiter(name="collected", max_concurrent=1, lease_ttl=60)
+
+    async def take() -> None:
+        me = asyncio.current_task()  # noqa: F841  (a cycle: the task, its coroutine, its frame)
+        async with limiter.slot():
+            pass
+
+    gc.collect()
+    gc.disable()
+    try:
+        loop = asyncio.new_event_loop()
+        loop.create_task(take())  # noqa: RUF006  (left behind on purpose)
+        loop.call_soon(loop.stop)
+        loop.run_forever()  # one step: it took its slot, and waits for its turn
+        loop.close()
+        assert limiter.stats_nowait().active == 1
+        _collected_inside_the_lock(limiter)
+    finally:
+        gc.enable()
+    _comes_back(limiter)
+
+
+def test_a_sync_slot_in_a_generator_closed_by_the_collector_inside_the_lock_comes_back() -> None:
+    limiter = MemoryLimiter(name="collected", max_concurrent=1, lease_ttl=60)
+
+    def holding(box: list[object]) -> Iterator[None]:
+        with limiter.sync_slot():
+            yield
+
+    gc.collect()
+    gc.disable()
+    try:
+        box: list[object] = []
+        generator = holding(box)
+        box.append(generator)  # a cycle: the generator, its frame, the list
+        next(generator)
+        del generator, box
+        assert limiter.stats_nowait().active == 1
+        _collected_inside_the_lock(limiter)
+    finally:
+        gc.enable()
+    _comes_back(limiter)
 
 
 async def test_a_limiter_in_use_on_a_virtual_clock_refuses_other_loops_clearly() -> None:
@@ -502,6 +554,48 @@ def test_a_virtual_clock_reused_by_a_later_run_belongs_to_that_run() -> None:
     trio.run(first, clock=clock)
     trio.run(second, clock=clock)
     assert entered == ["first run", "second run"]
+    [error] = errors
+    assert isinstance(error, ConcurrencyConfigError)
+    assert "virtual clock" in str(error)
+
+
+def test_a_virtual_clock_shared_by_two_runs_at_once_belongs_to_both() -> None:
+    """Two trio runs use one MockClock at once: the limiter's slots are abandoned only when
+    both have ended. One run holds the one slot while the other, which used the limiter
+    later, ends; another thread is refused all the same."""
+    limiter = MemoryLimiter(name="mock", max_concurrent=1)
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    entered: list[str] = []
+    errors: list[BaseException] = []
+    holding = threading.Event()
+    leave = threading.Event()
+
+    async def holder() -> None:
+        async with limiter.slot():
+            entered.append("the holder's run")
+            holding.set()
+            await trio.to_thread.run_sync(leave.wait)
+
+    async def passer() -> None:
+        with trio.move_on_after(1):
+            async with limiter.slot():
+                entered.append("the other run")  # not while the holder holds the one slot
+
+    async def from_another_loop() -> None:
+        async with limiter.slot():
+            entered.append("another loop, while the holder's run holds the slot")
+
+    holding_run = threading.Thread(target=trio.run, args=(holder,), kwargs={"clock": clock})
+    holding_run.start()
+    assert holding.wait(10)
+    trio.run(passer, clock=clock)  # used the limiter after the holder's run, and ended
+    try:
+        asyncio.run(from_another_loop())
+    except BaseException as exc:
+        errors.append(exc)
+    leave.set()
+    holding_run.join(10)
+    assert entered == ["the holder's run"]
     [error] = errors
     assert isinstance(error, ConcurrencyConfigError)
     assert "virtual clock" in str(error)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import random
@@ -33,10 +34,28 @@ __all__ = ("MemoryLimiter",)
 
 _logger = logging.getLogger("slotwise")
 
-# How long a request whose coroutine is closed (not cancelled) waits for the limiter's lock
-# before it withdraws in a thread of its own (`MemoryLimiter._leave_closed`): far longer
-# than any section holds it.
-_PATIENCE = 0.1
+_ident = threading.get_ident
+
+# The thread the garbage collector is collecting in, None when it is not. What it runs
+# there (the end of a request whose coroutine or generator it closes: one left on an event
+# loop that was closed, or in a reference cycle) may have interrupted that thread inside
+# this limiter's lock, at any allocation, and the lock is not reentrant. So a withdrawal,
+# a release or a `not_succeeded()` run by the collector is done in a thread of its own
+# (`_later`), which waits for the lock.
+_collector: int | None = None
+
+
+def _follow_the_collector(phase: str, info: dict[str, int]) -> None:
+    global _collector
+    _collector = _ident() if phase == "start" else None
+
+
+gc.callbacks.append(_follow_the_collector)
+
+
+def _later(fn: Callable[..., object], *args: object) -> None:
+    """Run ``fn(*args)`` in a thread of its own (see `_collector`)."""
+    threading.Thread(target=fn, args=args, name="slotwise-collected", daemon=True).start()
 
 
 @final
@@ -105,7 +124,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
     by that trio run only while it holds or awaits slots.
     """
 
-    __slots__ = ("_clock", "_domain", "_lock", "_owner", "_state", "_watchers")
+    __slots__ = ("_clock", "_domain", "_lock", "_owners", "_state", "_watchers")
 
     @overload
     def __init__(
@@ -169,7 +188,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
         self._lock = threading.Lock()
         # The state's clock: time.monotonic, or a trio MockClock while a test drives it.
         self._domain: Any = None
-        self._owner: Any = None  # the trio run (its token) whose virtual clock that is
+        # The trio runs (their tokens) that have used the virtual clock, while it is one.
+        self._owners: list[Any] = []
         self._clock: Callable[[], float] = time.monotonic
         # One waiter per thread watches the clock for leases that expire unrenewed, so a dead
         # holder's slot is handed on without a background task or a herd of timers.
@@ -327,6 +347,9 @@ class MemoryLimiter(BuiltinLimiter[W]):
         so an adaptive limit does not climb on it and a backoff does not start again from
         a second. The slot lifecycle calls it before releasing a slot whose body did not
         complete."""
+        if _collector is not None and _collector == _ident():
+            _later(self.not_succeeded, lease)  # see _collector
+            return
         with self._lock:
             self._state.not_succeeded(lease.lease_id)
 
@@ -394,6 +417,9 @@ class MemoryLimiter(BuiltinLimiter[W]):
 
     def release_nowait(self, lease: SupportsLease) -> None:
         """`release()` without the `await`; the slot lifecycle uses it."""
+        if _collector is not None and _collector == _ident():
+            _later(self.release_nowait, lease)  # see _collector
+            return
         state = self._state
         lock = self._lock
         # Not `with self._lock`: on the path of every slot, `with` costs twice as much (it
@@ -423,7 +449,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         lock.acquire()  # not `with`: see release_nowait()
         try:
             if loop.virtual is not self._domain or (
-                self._owner is not None and loop.identity is not self._owner
+                self._owners and loop.identity not in self._owners
             ):
                 self._now(loop)  # follow (or refuse) another clock, or another run of it
             try:
@@ -476,9 +502,6 @@ class MemoryLimiter(BuiltinLimiter[W]):
                     return record
                 parked = True
                 waker = None
-        except GeneratorExit:
-            self._leave_closed(ticket)
-            raise
         except BaseException:
             # Cancelled while waiting, or as the slot was granted: give it back either way.
             self._leave(ticket)
@@ -568,28 +591,26 @@ class MemoryLimiter(BuiltinLimiter[W]):
                     "are released"
                 )
             self._domain = domain
-            self._owner = None if domain is None else loop.identity  # type: ignore[union-attr]
+            self._owners = [] if domain is None else [loop.identity]  # type: ignore[union-attr]
             self._clock = time.monotonic if domain is None else domain.current_time
             state.rebase(self._clock())
-        elif domain is not None:
-            # The same virtual clock in another trio run (a test that reuses its MockClock):
-            # the newest run is the one whose end makes what is left abandoned.
-            self._owner = loop.identity  # type: ignore[union-attr]
+        elif domain is not None and loop.identity not in self._owners:  # type: ignore[union-attr]
+            # The same virtual clock in another trio run (a test that reuses its MockClock,
+            # one run after another or at once): what is left is abandoned only when every
+            # run that used it has ended.
+            self._owners = [token for token in self._owners if _running(token)]
+            self._owners.append(loop.identity)  # type: ignore[union-attr]
         return self._clock()
 
     def _abandoned(self) -> bool:
         """Whether every slot held or awaited belongs to a trio run on a virtual clock that
         has ended (a test that left slots behind): then nothing can ever use them, and the
         state is dropped."""
-        if self._domain is None or self._owner is None:
+        if self._domain is None or not self._owners or any(map(_running, self._owners)):
             return False
-        try:
-            self._owner.run_sync_soon(lambda: None)
-        except RuntimeError:  # trio.RunFinishedError
-            self._state.clear()
-            self._watchers = _Watchers(self._state.queues)
-            return True
-        return False
+        self._state.clear()
+        self._watchers = _Watchers(self._state.queues)
+        return True
 
     def _max_wait(self, workload: str) -> float | None:
         """The workload's `max_wait`; None once set_limits() removed it (its waiters are
@@ -638,22 +659,10 @@ class MemoryLimiter(BuiltinLimiter[W]):
             raise wait_timeout(now - ticket.enqueued_at, max_wait, by_max_wait)
         return record, waker, until
 
-    def _leave_closed(self, ticket: Ticket) -> None:
-        """`_leave()` for a request whose coroutine was closed, not cancelled: maybe by the
-        garbage collector (its event loop closed with it waiting), which runs wherever an
-        allocation triggers it, in this very thread inside one of the limiter's sections,
-        say, and the lock is not reentrant. If the lock is not free within `_PATIENCE`, the
-        request withdraws in a thread of its own, which waits for it."""
-        lock = self._lock
-        if not lock.acquire(True, _PATIENCE):
-            threading.Thread(
-                target=self._leave, args=(ticket,), name="slotwise-leave", daemon=True
-            ).start()
-            return
-        lock.release()  # free, so not held by this thread: the usual withdrawal can wait
-        self._leave(ticket)
-
     def _leave(self, ticket: Ticket) -> None:
+        if _collector is not None and _collector == _ident():
+            _later(self._leave, ticket)  # closed by the garbage collector: see _collector
+            return
         state = self._state
         lock = self._lock
         lock.acquire()  # not `with`: see release_nowait()
@@ -833,6 +842,15 @@ class _Watchers:
                 if watcher is not None and watcher.waker is not None:
                     wakers.append(watcher.waker)
         return wakers
+
+
+def _running(token: Any) -> bool:
+    """Whether the trio run of ``token`` (its `TrioToken`) has not ended."""
+    try:
+        token.run_sync_soon(lambda: None)
+    except RuntimeError:  # trio.RunFinishedError
+        return False
+    return True
 
 
 def _lease(record: LeaseRecord) -> Lease:
