@@ -5,11 +5,13 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import os
 import random
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from queue import SimpleQueue
 from typing import Any, final, overload
 
 from ._base import BuiltinLimiter
@@ -39,10 +41,15 @@ _ident = threading.get_ident
 # The thread the garbage collector is collecting in, None when it is not. What it runs
 # there (the end of a request whose coroutine or generator it closes: one left on an event
 # loop that was closed, or in a reference cycle) may have interrupted that thread inside
-# this limiter's lock, at any allocation, and the lock is not reentrant. So a withdrawal,
-# a release or a `not_succeeded()` run by the collector is done in a thread of its own
-# (`_later`), which waits for the lock.
+# a limiter's lock, at any allocation, and the lock is not reentrant. So a withdrawal, a
+# release or a `not_succeeded()` run by the collector is posted (`_later`) to one daemon
+# thread, which does them in order and waits for the lock. The thread is started with the
+# first limiter, never by the collector: starting a thread takes locks of `threading` that
+# the collector may have interrupted too; `SimpleQueue.put` is safe there.
 _collector: int | None = None
+_inbox: SimpleQueue[tuple[Callable[..., object], tuple[object, ...]]] = SimpleQueue()
+_worker: threading.Thread | None = None
+_worker_lock = threading.Lock()
 
 
 def _follow_the_collector(phase: str, info: dict[str, int]) -> None:
@@ -54,8 +61,38 @@ gc.callbacks.append(_follow_the_collector)
 
 
 def _later(fn: Callable[..., object], *args: object) -> None:
-    """Run ``fn(*args)`` in a thread of its own (see `_collector`)."""
-    threading.Thread(target=fn, args=args, name="slotwise-collected", daemon=True).start()
+    """Have ``fn(*args)`` done by the worker thread (see `_collector`)."""
+    _inbox.put((fn, args))
+
+
+def _start_worker() -> None:
+    """Start the worker thread, once per process (see `_collector`)."""
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = threading.Thread(target=_work, name="slotwise-collected", daemon=True)
+            _worker.start()
+
+
+def _work() -> None:
+    while True:
+        fn, args = _inbox.get()
+        try:
+            fn(*args)
+        except BaseException:  # a bug, or a subscriber's exit: it must not stop the others
+            _logger.exception("slotwise: ending a request that the collector closed failed")
+
+
+def _start_afresh() -> None:
+    # A forked child keeps none of the parent's threads, and maybe a lock held by one.
+    global _inbox, _worker, _worker_lock
+    started = _worker is not None
+    _inbox, _worker, _worker_lock = SimpleQueue(), None, threading.Lock()
+    if started:
+        _start_worker()
+
+
+os.register_at_fork(after_in_child=_start_afresh)
 
 
 @final
@@ -186,6 +223,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         # Every read and write of the state, from any thread, holds this lock; it is never
         # held across an await, and waiters are woken after it is released.
         self._lock = threading.Lock()
+        _start_worker()  # for the requests that the garbage collector ends (_collector)
         # The state's clock: time.monotonic, or a trio MockClock while a test drives it.
         self._domain: Any = None
         # The trio runs (their tokens) that have used the virtual clock, while it is one.
