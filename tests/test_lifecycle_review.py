@@ -17,7 +17,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -393,20 +393,28 @@ def test_a_limiter_left_with_slots_by_a_finished_virtual_clock_run_serves_again(
     asyncio.run(use())  # real time: the finished run's slot is gone with it
 
 
-def _collected_inside_the_lock(limiter: MemoryLimiter[str]) -> None:
-    """Run the garbage collector while this thread holds ``limiter``'s lock, as it may run at
-    any allocation of the limiter's own locked sections; fail if that does not return (a
-    finalizer that waits for the lock would wait for ever: it is not reentrant)."""
+def _collected_inside(lock: Any) -> None:
+    """Run the garbage collector while this thread holds ``lock`` (a limiter's, or a
+    subscriber's own), as it may run at any allocation inside it; fail if that does not
+    return (an end of a request that waits for the lock would wait for ever: it is not
+    reentrant)."""
     done = threading.Event()
 
     def collect() -> None:
-        with limiter._lock:
+        with lock:
             gc.collect()
         done.set()
 
     thread = threading.Thread(target=collect, daemon=True)
     thread.start()
     assert done.wait(10), "the collector's finalizers wait for the lock they interrupted"
+
+
+def _eventually(check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 5
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert check()
 
 
 def test_a_waiter_closed_by_the_collector_inside_the_lock_gives_its_slot_back() -> None:
@@ -435,17 +443,14 @@ def test_a_waiter_closed_by_the_collector_inside_the_lock_gives_its_slot_back() 
         loop.close()  # the waiter is left as garbage, for the collector to close
         limiter.release_nowait(held.lease)  # granted to the waiter, whose loop is closed
         assert limiter.stats_nowait().active == 1
-        _collected_inside_the_lock(limiter)
+        _collected_inside(limiter._lock)
     finally:
         gc.enable()
     _comes_back(limiter)
 
 
 def _comes_back(limiter: MemoryLimiter[str]) -> None:
-    deadline = time.monotonic() + 5
-    while limiter.stats_nowait().active and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert limiter.stats_nowait().active == 0  # not held until its lease_ttl of 60 s
+    _eventually(lambda: not limiter.stats_nowait().active)  # not after lease_ttl, 60 s
 
 
 def test_a_slot_taken_at_once_and_closed_by_the_collector_inside_the_lock_comes_back() -> None:
@@ -467,32 +472,67 @@ def test_a_slot_taken_at_once_and_closed_by_the_collector_inside_the_lock_comes_
         loop.run_forever()  # one step: it took its slot, and waits for its turn
         loop.close()
         assert limiter.stats_nowait().active == 1
-        _collected_inside_the_lock(limiter)
+        _collected_inside(limiter._lock)
     finally:
         gc.enable()
     _comes_back(limiter)
 
 
-def test_a_sync_slot_in_a_generator_closed_by_the_collector_inside_the_lock_comes_back() -> None:
-    limiter = MemoryLimiter(name="collected", max_concurrent=1, lease_ttl=60)
+def _a_sync_slot_left_to_the_collector(limiter: MemoryLimiter[str]) -> None:
+    """A generator that holds a `sync_slot()` of ``limiter``, left in a reference cycle."""
 
     def holding(box: list[object]) -> Iterator[None]:
         with limiter.sync_slot():
             yield
 
+    box: list[object] = []
+    generator = holding(box)
+    box.append(generator)  # a cycle: the generator, its frame, the list
+    next(generator)
+
+
+def test_a_sync_slot_in_a_generator_closed_by_the_collector_inside_the_lock_comes_back() -> None:
+    limiter = MemoryLimiter(name="collected", max_concurrent=1, lease_ttl=60)
     gc.collect()
     gc.disable()
     try:
-        box: list[object] = []
-        generator = holding(box)
-        box.append(generator)  # a cycle: the generator, its frame, the list
-        next(generator)
-        del generator, box
+        _a_sync_slot_left_to_the_collector(limiter)
         assert limiter.stats_nowait().active == 1
-        _collected_inside_the_lock(limiter)
+        _collected_inside(limiter._lock)
     finally:
         gc.enable()
     _comes_back(limiter)
+
+
+@pytest.mark.parametrize("interrupted", ["the limiter's lock", "the subscriber's own lock"])
+def test_a_subscriber_hears_of_a_slot_the_collector_ends_after_the_collection(
+    interrupted: str,
+) -> None:
+    """The subscriber takes a lock of its own (as the OpenTelemetry bridge does, which
+    allocates inside it) and the limiter's: the collector may have interrupted either when
+    it ends a request, whose event must then wait for the collection to end."""
+    limiter = MemoryLimiter(name="collected", max_concurrent=1, lease_ttl=60)
+    own = threading.Lock()
+    heard: list[tuple[str, int]] = []
+
+    def subscriber(event: slotwise.ConcurrencyEvent) -> None:
+        with own:
+            heard.append((event.kind, limiter.stats_nowait().active))
+
+    unsubscribe = slotwise.subscribe(subscriber, limiter)
+    try:
+        gc.collect()
+        gc.disable()
+        try:
+            _a_sync_slot_left_to_the_collector(limiter)
+            heard.clear()
+            _collected_inside(limiter._lock if interrupted == "the limiter's lock" else own)
+        finally:
+            gc.enable()
+        _comes_back(limiter)
+        _eventually(lambda: ("released", 0) in heard)
+    finally:
+        unsubscribe()
 
 
 async def test_a_limiter_in_use_on_a_virtual_clock_refuses_other_loops_clearly() -> None:

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
-import os
 import random
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from queue import SimpleQueue
 from typing import Any, final, overload
 
 from ._base import BuiltinLimiter
@@ -28,6 +25,7 @@ from ._config import (
 from ._core.state import Holder, LeaseRecord, LimiterState, Tether, Ticket, holds
 from ._errors import ConcurrencyConfigError
 from ._protocol import AcquireRequest, Lease, SupportsLease, W
+from ._runtime import collector
 from ._runtime.lifecycle import SlotContext, SyncSlotContext, sync_slot, tethering
 from ._runtime.loop import Loop, ThreadWaker, Waker, require
 from ._stats import BucketStats, LimiterStats
@@ -37,62 +35,6 @@ __all__ = ("MemoryLimiter",)
 _logger = logging.getLogger("slotwise")
 
 _ident = threading.get_ident
-
-# The thread the garbage collector is collecting in, None when it is not. What it runs
-# there (the end of a request whose coroutine or generator it closes: one left on an event
-# loop that was closed, or in a reference cycle) may have interrupted that thread inside
-# a limiter's lock, at any allocation, and the lock is not reentrant. So a withdrawal, a
-# release or a `not_succeeded()` run by the collector is posted (`_later`) to one daemon
-# thread, which does them in order and waits for the lock. The thread is started with the
-# first limiter, never by the collector: starting a thread takes locks of `threading` that
-# the collector may have interrupted too; `SimpleQueue.put` is safe there.
-_collector: int | None = None
-_inbox: SimpleQueue[tuple[Callable[..., object], tuple[object, ...]]] = SimpleQueue()
-_worker: threading.Thread | None = None
-_worker_lock = threading.Lock()
-
-
-def _follow_the_collector(phase: str, info: dict[str, int]) -> None:
-    global _collector
-    _collector = _ident() if phase == "start" else None
-
-
-gc.callbacks.append(_follow_the_collector)
-
-
-def _later(fn: Callable[..., object], *args: object) -> None:
-    """Have ``fn(*args)`` done by the worker thread (see `_collector`)."""
-    _inbox.put((fn, args))
-
-
-def _start_worker() -> None:
-    """Start the worker thread, once per process (see `_collector`)."""
-    global _worker
-    with _worker_lock:
-        if _worker is None:
-            _worker = threading.Thread(target=_work, name="slotwise-collected", daemon=True)
-            _worker.start()
-
-
-def _work() -> None:
-    while True:
-        fn, args = _inbox.get()
-        try:
-            fn(*args)
-        except BaseException:  # a bug, or a subscriber's exit: it must not stop the others
-            _logger.exception("slotwise: ending a request that the collector closed failed")
-
-
-def _start_afresh() -> None:
-    # A forked child keeps none of the parent's threads, and maybe a lock held by one.
-    global _inbox, _worker, _worker_lock
-    started = _worker is not None
-    _inbox, _worker, _worker_lock = SimpleQueue(), None, threading.Lock()
-    if started:
-        _start_worker()
-
-
-os.register_at_fork(after_in_child=_start_afresh)
 
 
 @final
@@ -223,7 +165,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         # Every read and write of the state, from any thread, holds this lock; it is never
         # held across an await, and waiters are woken after it is released.
         self._lock = threading.Lock()
-        _start_worker()  # for the requests that the garbage collector ends (_collector)
+        collector.start()  # for the requests that the garbage collector ends
         # The state's clock: time.monotonic, or a trio MockClock while a test drives it.
         self._domain: Any = None
         # The trio runs (their tokens) that have used the virtual clock, while it is one.
@@ -385,8 +327,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
         so an adaptive limit does not climb on it and a backoff does not start again from
         a second. The slot lifecycle calls it before releasing a slot whose body did not
         complete."""
-        if _collector is not None and _collector == _ident():
-            _later(self.not_succeeded, lease)  # see _collector
+        if collector.thread is not None and collector.thread == _ident():
+            collector.later(self.not_succeeded, lease)  # run by the collector
             return
         with self._lock:
             self._state.not_succeeded(lease.lease_id)
@@ -455,8 +397,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
 
     def release_nowait(self, lease: SupportsLease) -> None:
         """`release()` without the `await`; the slot lifecycle uses it."""
-        if _collector is not None and _collector == _ident():
-            _later(self.release_nowait, lease)  # see _collector
+        if collector.thread is not None and collector.thread == _ident():
+            collector.later(self.release_nowait, lease)  # run by the collector
             return
         state = self._state
         lock = self._lock
@@ -698,8 +640,8 @@ class MemoryLimiter(BuiltinLimiter[W]):
         return record, waker, until
 
     def _leave(self, ticket: Ticket) -> None:
-        if _collector is not None and _collector == _ident():
-            _later(self._leave, ticket)  # closed by the garbage collector: see _collector
+        if collector.thread is not None and collector.thread == _ident():
+            collector.later(self._leave, ticket)  # closed by the collector
             return
         state = self._state
         lock = self._lock

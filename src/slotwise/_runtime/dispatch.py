@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._events import ConcurrencyEvent
+from . import collector
 
 __all__ = ("Callback", "emit", "subscribe", "wants")
 
@@ -50,8 +51,9 @@ def subscribe(callback: Callback, limiter: Any = None) -> Callable[[], None]:
 
     Args:
         callback: Called with each event (a frozen object with a ``kind``), synchronously,
-            in the task or thread that caused it. An exception it raises is logged and never
-            reaches the slot.
+            in the task or thread that caused it (a request that the garbage collector
+            ends: in slotwise's worker thread, after the collection). An exception it
+            raises is logged and never reaches the slot.
         limiter: Any limiter object, built-in or custom; None for every limiter in the
             process.
 
@@ -63,6 +65,7 @@ def subscribe(callback: Callback, limiter: Any = None) -> Callable[[], None]:
     """
     if not callable(callback):
         raise TypeError(f"callback must be callable, got {callback!r}")
+    collector.start()  # for the events of requests that the garbage collector ends
     global _subscriptions
     subscription = _Subscription(callback)
     with _lock:
@@ -105,7 +108,12 @@ def wants(limiter: Any) -> bool:
 
 def emit(limiter: Any, event: ConcurrencyEvent) -> None:
     """Deliver ``event``; a callback that raises is logged and never reaches the slot (only
-    ``KeyboardInterrupt`` and ``SystemExit`` go on)."""
+    ``KeyboardInterrupt`` and ``SystemExit`` go on). The event of a request that the garbage
+    collector ends is delivered by `collector`'s worker thread, after the collection: a
+    callback may take a lock that the collector interrupted."""
+    if collector.thread is not None and collector.thread == threading.get_ident():
+        collector.later(emit, limiter, event)
+        return
     for entry in (*(_callbacks(limiter) or ()), *_everywhere):
         try:
             entry.callback(event)
