@@ -535,6 +535,36 @@ def test_a_subscriber_hears_of_a_slot_the_collector_ends_after_the_collection(
         unsubscribe()
 
 
+def test_a_subscriber_that_raises_to_stop_does_not_keep_a_collected_event_from_the_others() -> None:
+    """The worker delivers the events of requests that the collector ended: a subscriber's
+    KeyboardInterrupt or SystemExit there stops nothing (it is logged), and every other
+    subscriber still hears the event."""
+    limiter = MemoryLimiter(name="collected", max_concurrent=1, lease_ttl=60)
+    heard: list[str] = []
+
+    def stopping(event: slotwise.ConcurrencyEvent) -> None:
+        if event.kind == "released":
+            raise KeyboardInterrupt
+
+    unsubscribes = [
+        slotwise.subscribe(stopping, limiter),
+        slotwise.subscribe(lambda event: heard.append(event.kind), limiter),
+    ]
+    try:
+        gc.collect()
+        gc.disable()
+        try:
+            _a_sync_slot_left_to_the_collector(limiter)
+            gc.collect()
+        finally:
+            gc.enable()
+        _comes_back(limiter)
+        _eventually(lambda: "released" in heard)
+    finally:
+        for unsubscribe in unsubscribes:
+            unsubscribe()
+
+
 async def test_a_limiter_in_use_on_a_virtual_clock_refuses_other_loops_clearly() -> None:
     limiter = MemoryLimiter(name="mock", max_concurrent=1)
     errors: list[BaseException] = []

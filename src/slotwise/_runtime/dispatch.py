@@ -6,6 +6,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from .._events import ConcurrencyEvent
@@ -106,20 +107,21 @@ def wants(limiter: Any) -> bool:
     return bool(_everywhere) or _callbacks(limiter) is not None
 
 
-def emit(limiter: Any, event: ConcurrencyEvent) -> None:
+def emit(limiter: Any, event: ConcurrencyEvent, *, worker: bool = False) -> None:
     """Deliver ``event``; a callback that raises is logged and never reaches the slot (only
     ``KeyboardInterrupt`` and ``SystemExit`` go on). The event of a request that the garbage
-    collector ends is delivered by `collector`'s worker thread, after the collection: a
-    callback may take a lock that the collector interrupted."""
-    if collector.thread is not None and collector.thread == threading.get_ident():
-        collector.later(emit, limiter, event)
+    collector ends is delivered by `collector`'s worker thread (``worker``), after the
+    collection, as a callback may take a lock that the collector interrupted; there nothing
+    goes on, and every callback hears it."""
+    if not worker and collector.thread is not None and collector.thread == threading.get_ident():
+        collector.later(partial(emit, worker=True), limiter, event)
         return
     for entry in (*(_callbacks(limiter) or ()), *_everywhere):
         try:
             entry.callback(event)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException:
+        except BaseException as exc:
+            if not worker and isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
             _logger.exception(
                 "slotwise event subscriber %r raised on %s", entry.callback, event.kind
             )
