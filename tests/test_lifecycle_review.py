@@ -393,6 +393,18 @@ def test_a_limiter_left_with_slots_by_a_finished_virtual_clock_run_serves_again(
     asyncio.run(use())  # real time: the finished run's slot is gone with it
 
 
+@contextlib.contextmanager
+def _collector_held_off() -> Iterator[None]:
+    """Collect what is pending, then keep the collector off until the block ends: what the
+    block leaves as garbage waits for the collection the test runs itself."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _collected_inside(lock: Any) -> None:
     """Run the garbage collector while this thread holds ``lock`` (a limiter's, or a
     subscriber's own), as it may run at any allocation inside it; fail if that does not
@@ -435,17 +447,13 @@ def test_a_waiter_closed_by_the_collector_inside_the_lock_gives_its_slot_back() 
         asyncio.ensure_future(wait_for_slot())  # noqa: RUF006  (left behind on purpose)
         await asyncio.sleep(0.05)
 
-    gc.collect()
-    gc.disable()  # until the collection inside the lock
-    try:
+    with _collector_held_off():
         loop = asyncio.new_event_loop()
         loop.run_until_complete(leave_a_waiter())
         loop.close()  # the waiter is left as garbage, for the collector to close
         limiter.release_nowait(held.lease)  # granted to the waiter, whose loop is closed
         assert limiter.stats_nowait().active == 1
         _collected_inside(limiter._lock)
-    finally:
-        gc.enable()
     _comes_back(limiter)
 
 
@@ -463,9 +471,7 @@ def test_a_slot_taken_at_once_and_closed_by_the_collector_inside_the_lock_comes_
         async with limiter.slot():
             pass
 
-    gc.collect()
-    gc.disable()
-    try:
+    with _collector_held_off():
         loop = asyncio.new_event_loop()
         loop.create_task(take())  # noqa: RUF006  (left behind on purpose)
         loop.call_soon(loop.stop)
@@ -473,8 +479,6 @@ def test_a_slot_taken_at_once_and_closed_by_the_collector_inside_the_lock_comes_
         loop.close()
         assert limiter.stats_nowait().active == 1
         _collected_inside(limiter._lock)
-    finally:
-        gc.enable()
     _comes_back(limiter)
 
 
@@ -493,14 +497,10 @@ def _a_sync_slot_left_to_the_collector(limiter: MemoryLimiter[str]) -> None:
 
 def test_a_sync_slot_in_a_generator_closed_by_the_collector_inside_the_lock_comes_back() -> None:
     limiter = MemoryLimiter(name="collected", max_concurrent=1, lease_ttl=60)
-    gc.collect()
-    gc.disable()
-    try:
+    with _collector_held_off():
         _a_sync_slot_left_to_the_collector(limiter)
         assert limiter.stats_nowait().active == 1
         _collected_inside(limiter._lock)
-    finally:
-        gc.enable()
     _comes_back(limiter)
 
 
@@ -521,14 +521,10 @@ def test_a_subscriber_hears_of_a_slot_the_collector_ends_after_the_collection(
 
     unsubscribe = slotwise.subscribe(subscriber, limiter)
     try:
-        gc.collect()
-        gc.disable()
-        try:
+        with _collector_held_off():
             _a_sync_slot_left_to_the_collector(limiter)
             heard.clear()
             _collected_inside(limiter._lock if interrupted == "the limiter's lock" else own)
-        finally:
-            gc.enable()
         _comes_back(limiter)
         _eventually(lambda: ("released", 0) in heard)
     finally:
@@ -551,13 +547,9 @@ def test_a_subscriber_that_raises_to_stop_does_not_keep_a_collected_event_from_t
         slotwise.subscribe(lambda event: heard.append(event.kind), limiter),
     ]
     try:
-        gc.collect()
-        gc.disable()
-        try:
+        with _collector_held_off():
             _a_sync_slot_left_to_the_collector(limiter)
             gc.collect()
-        finally:
-            gc.enable()
         _comes_back(limiter)
         _eventually(lambda: "released" in heard)
     finally:
