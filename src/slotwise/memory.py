@@ -647,8 +647,17 @@ class MemoryLimiter(BuiltinLimiter[W]):
         lock = self._lock
         lock.acquire()  # not `with`: see release_nowait()
         try:
-            granted = state.withdraw(ticket, self._clock())
-            granted += self._watchers.leave(ticket)
+            # Most withdrawals only leave the queue: no clock read, nothing granted.
+            granted = [] if state.leave_queue(ticket) else state.withdraw(ticket, self._clock())
+            waker = ticket.waker
+            home = None if waker is None else waker.parked
+            if home is not None and home.watcher is not ticket:
+                # _watchers.leave(), inlined for a waiter that does not watch the clock (all
+                # but one of its thread's): it is only counted out.
+                waker.parked = None
+                home.waiting -= 1
+            else:
+                granted += self._watchers.leave(ticket)
             if not granted and (not self._watchers.alarms or not state.timed):
                 return  # nothing to wake: no grant, and no clock watch to move earlier
             wakers = self._settle(granted)

@@ -362,14 +362,23 @@ class LimiterState:
             # Granted, never used: its release is no success (no climb, no backoff reset).
             ticket.lease.succeeded = False
             return self.release(ticket.lease.lease_id, now)
+        if self.leave_queue(ticket):
+            return []
+        return self._allocate(now)  # the requests it held back from a bucket may go now
+
+    def leave_queue(self, ticket: Ticket) -> bool:
+        """Take a waiting request out of its queue (idempotent). True when that is all its
+        withdrawal does; False when `withdraw()` must follow, with the time: the request was
+        granted meanwhile, or buckets may have held requests back behind it. (Most
+        withdrawals need no clock read.)"""
+        if ticket.lease is not None:
+            return False
         queue = self.queues.get(ticket.workload)  # gone when reconfigure() refused it
         if queue is not None and queue.pop(ticket.seq, None) is not None:
             self.queued -= 1
-            if self.bank.buckets:
-                # Without buckets a waiter holds nothing back: nobody waits while their
-                # workload has room.
-                return self._allocate(now)
-        return []
+        # Without buckets a waiter holds nothing back: nobody waits while their workload
+        # has room.
+        return not self.bank.buckets
 
     # -- leases ---------------------------------------------------------------------------
 
