@@ -27,7 +27,7 @@ from ._errors import ConcurrencyConfigError
 from ._protocol import AcquireRequest, Lease, SupportsLease, W
 from ._runtime import collector
 from ._runtime.lifecycle import SlotContext, SyncSlotContext, sync_slot, tethering
-from ._runtime.loop import Loop, ThreadWaker, Waker, require
+from ._runtime.loop import Loop, ThreadWaker, Waker, ki_protected, require
 from ._stats import BucketStats, LimiterStats
 
 __all__ = ("MemoryLimiter",)
@@ -395,6 +395,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         """Give a slot back to the next waiter. Idempotent; never waits."""
         self.release_nowait(lease)
 
+    @ki_protected
     def release_nowait(self, lease: SupportsLease) -> None:
         """`release()` without the `await`; the slot lifecycle uses it."""
         if collector.thread is not None and collector.thread == _ident():
@@ -404,6 +405,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
         lock = self._lock
         # Not `with self._lock`: on the path of every slot, `with` costs twice as much (it
         # binds __enter__ and __exit__ each time, and calls __exit__ with three arguments).
+        # A Ctrl-C between acquire() and `try` would leave the lock held: see ki_protected.
         lock.acquire()
         try:
             limit = state.rules.max_concurrent
@@ -420,6 +422,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
 
     # -- what the slot lifecycle uses (looked up on the class) ----------------------------
 
+    @ki_protected
     def _take_nowait(
         self, workload: str, loop: Loop, tether: Tether, tokens: int = 0
     ) -> LeaseRecord | None:
@@ -487,6 +490,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             self._leave(ticket)
             raise
 
+    @ki_protected
     def _submit(
         self,
         workload: str,
@@ -639,6 +643,7 @@ class MemoryLimiter(BuiltinLimiter[W]):
             raise wait_timeout(now - ticket.enqueued_at, max_wait, by_max_wait)
         return record, waker, until
 
+    @ki_protected
     def _leave(self, ticket: Ticket) -> None:
         if collector.thread is not None and collector.thread == _ident():
             collector.later(self._leave, ticket)  # closed by the collector

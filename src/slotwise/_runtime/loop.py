@@ -23,7 +23,7 @@ import time
 import types
 import weakref
 from collections.abc import Awaitable, Callable, Generator
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -34,6 +34,7 @@ __all__ = (
     "TrioLoop",
     "Waker",
     "current",
+    "ki_protected",
     "later",
     "loop_identity",
     "own_cancellation",
@@ -266,6 +267,23 @@ class AsyncioLoop(Loop):
 
 
 _trio_lowlevel: Any = None  # trio.lowlevel, once a TrioLoop exists (trio is optional)
+_ki_protected: list[Callable[..., Any]] = []  # see ki_protected()
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def ki_protected(fn: _F) -> _F:
+    """Mark ``fn``, which takes a lock with ``acquire()`` before its ``try``, as code where
+    trio must not raise ``KeyboardInterrupt``: a Ctrl-C that lands there (its signal handler
+    runs as ``acquire()`` returns) would leave the lock held, and every later request would
+    hang. trio then delivers it at the task's next checkpoint, as in its own primitives.
+
+    Free per call: trio keeps the mark by code object (trio 0.28 and later; on older ones,
+    whose mark is a wrapper's frame local, the mark is not set)."""
+    _ki_protected.append(fn)
+    if _trio_lowlevel is not None:
+        _trio_lowlevel.enable_ki_protection(fn)
+    return fn
 
 
 class _TrioWaker(Waker):
@@ -314,7 +332,10 @@ class TrioLoop(Loop):
     def __init__(self, token: Any) -> None:
         global _trio_lowlevel
         trio = self._trio = sys.modules["trio"]
-        _trio_lowlevel = trio.lowlevel
+        if _trio_lowlevel is None:
+            for fn in _ki_protected:
+                trio.lowlevel.enable_ki_protection(fn)
+            _trio_lowlevel = trio.lowlevel
         self.identity = token
         self.keeper = None
         self.thread = _ident()
