@@ -24,7 +24,7 @@ import anyio
 import pytest
 import trio
 
-from slotwise import MemoryLimiter
+from slotwise import Adaptive, ConcurrencyEvent, MemoryLimiter
 
 
 class _InterruptingLock:
@@ -147,5 +147,43 @@ def test_a_ctrl_c_as_the_lock_is_taken_leaves_it_free(backend: str, path: str) -
         let_go()
     assert lock.interrupted == [function]
     assert lock.free(), "the Ctrl-C left the limiter's lock held"
+    stats = anyio.run(limiter.stats)
+    assert (stats.active, stats.queued) == (0, 0)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_ctrl_c_in_a_subscriber_called_by_a_release_interrupts_it_at_once(backend: str) -> None:
+    # A release that climbs an adaptive limit (slow start: 1 -> 2) tells the subscribers
+    # from inside the function that holds the lock; trio must not defer a Ctrl-C that lands
+    # in the subscriber's own code until it returns.
+    limiter = MemoryLimiter(max_concurrent=4, adaptive=Adaptive(min_concurrent=1, slow_start=True))
+    steps: list[int] = []
+
+    def subscriber(event: ConcurrencyEvent) -> None:
+        if event.kind != "limit-changed":
+            return
+        _thread.interrupt_main()  # its handler runs at the next instruction
+        for step in range(1000):
+            steps.append(step)
+
+    limiter.subscribe(subscriber)
+
+    async def main() -> None:
+        async with limiter.slot():
+            pass
+        await anyio.sleep(5)
+
+    def run() -> None:
+        if backend == "trio":
+            trio.run(main)
+        else:
+            asyncio.run(main())
+
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    if backend == "trio":
+        assert len(steps) < 1000, "the Ctrl-C waited for the subscriber to return"
+    else:  # asyncio.run() makes a first Ctrl-C the main task's cancellation
+        assert len(steps) == 1000
     stats = anyio.run(limiter.stats)
     assert (stats.active, stats.queued) == (0, 0)

@@ -35,6 +35,7 @@ __all__ = (
     "Waker",
     "current",
     "ki_protected",
+    "ki_unprotected",
     "later",
     "loop_identity",
     "own_cancellation",
@@ -267,7 +268,7 @@ class AsyncioLoop(Loop):
 
 
 _trio_lowlevel: Any = None  # trio.lowlevel, once a TrioLoop exists (trio is optional)
-_ki_protected: list[Callable[..., Any]] = []  # see ki_protected()
+_ki_marks: list[tuple[Callable[..., Any], bool]] = []  # see ki_protected()
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -279,11 +280,28 @@ def ki_protected(fn: _F) -> _F:
     hang. trio then delivers it at the task's next checkpoint, as in its own primitives.
 
     Free per call: trio keeps the mark by code object (trio 0.28 and later; on older ones,
-    whose mark is a wrapper's frame local, the mark is not set)."""
-    _ki_protected.append(fn)
+    whose mark is a wrapper's frame local, the mark is not set). trio reads the mark of the
+    innermost marked frame, so code of the user's that ``fn`` calls must be `ki_unprotected`.
+    """
+    return _ki_mark(fn, True)
+
+
+def ki_unprotected(fn: _F) -> _F:
+    """Mark ``fn``, which runs the user's code (event subscribers), as code where trio raises
+    ``KeyboardInterrupt`` at once even when a `ki_protected` function calls it: a Ctrl-C must
+    not wait for a subscriber to return (or for ever, if it blocks)."""
+    return _ki_mark(fn, False)
+
+
+def _ki_mark(fn: _F, protected: bool) -> _F:
+    _ki_marks.append((fn, protected))
     if _trio_lowlevel is not None:
-        _trio_lowlevel.enable_ki_protection(fn)
+        _set_ki_mark(_trio_lowlevel, fn, protected)
     return fn
+
+
+def _set_ki_mark(lowlevel: Any, fn: Callable[..., Any], protected: bool) -> None:
+    (lowlevel.enable_ki_protection if protected else lowlevel.disable_ki_protection)(fn)
 
 
 class _TrioWaker(Waker):
@@ -333,8 +351,8 @@ class TrioLoop(Loop):
         global _trio_lowlevel
         trio = self._trio = sys.modules["trio"]
         if _trio_lowlevel is None:
-            for fn in _ki_protected:
-                trio.lowlevel.enable_ki_protection(fn)
+            for fn, protected in _ki_marks:
+                _set_ki_mark(trio.lowlevel, fn, protected)
             _trio_lowlevel = trio.lowlevel
         self.identity = token
         self.keeper = None
