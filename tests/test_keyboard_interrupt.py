@@ -24,7 +24,15 @@ import anyio
 import pytest
 import trio
 
-from slotwise import Adaptive, ConcurrencyEvent, MemoryLimiter
+import slotwise
+from slotwise import (
+    AcquireRequest,
+    Adaptive,
+    ConcurrencyEvent,
+    ConcurrencyLeaseLostError,
+    MemoryLimiter,
+    SupportsLease,
+)
 
 
 class _InterruptingLock:
@@ -187,3 +195,50 @@ def test_a_ctrl_c_in_a_subscriber_called_by_a_release_interrupts_it_at_once(back
         assert len(steps) == 1000
     stats = anyio.run(limiter.stats)
     assert (stats.active, stats.queued) == (0, 0)
+
+
+class _LosingLimiter:
+    """A custom limiter whose leases cannot be renewed: trio's lease keeper, a system task,
+    tells the subscribers that the slot's lease is lost."""
+
+    name = "losing"
+    lease_ttl = 0.3
+
+    def __init__(self) -> None:
+        self._inner = MemoryLimiter(name="losing", max_concurrent=1)
+
+    async def acquire(self, request: AcquireRequest) -> SupportsLease:
+        return await self._inner.acquire(request)
+
+    async def renew(self, lease: SupportsLease) -> SupportsLease | None:
+        return None
+
+    def renew_nowait(self, lease: SupportsLease) -> SupportsLease | None:
+        return None
+
+    async def release(self, lease: SupportsLease) -> None:
+        await self._inner.release(lease)
+
+
+def test_a_ctrl_c_in_a_subscriber_that_trios_lease_keeper_calls_reaches_the_run() -> None:
+    # A trio system task must not raise (trio would fail with TrioInternalError): there a
+    # Ctrl-C waits for the subscriber to return, then reaches the run as KeyboardInterrupt.
+    limiter = _LosingLimiter()
+    heard: list[str] = []
+
+    def subscriber(event: ConcurrencyEvent) -> None:
+        if event.kind == "lease-lost":
+            _thread.interrupt_main()
+            heard.extend("lost" for _ in range(1000))
+
+    slotwise.subscribe(subscriber, limiter=limiter)
+
+    async def main() -> None:
+        with pytest.raises(ConcurrencyLeaseLostError):
+            async with slotwise.slot(limiter=limiter):
+                await trio.sleep(10)
+        await trio.sleep(10)
+
+    with pytest.raises(KeyboardInterrupt):
+        trio.run(main)
+    assert len(heard) == 1000

@@ -27,7 +27,7 @@ from ._errors import ConcurrencyConfigError
 from ._protocol import AcquireRequest, Lease, SupportsLease, W
 from ._runtime import collector
 from ._runtime.lifecycle import SlotContext, SyncSlotContext, sync_slot, tethering
-from ._runtime.loop import Loop, ThreadWaker, Waker, ki_protected, require
+from ._runtime.loop import Loop, ThreadWaker, Waker, ki_protected, ki_unprotected, require
 from ._stats import BucketStats, LimiterStats
 
 __all__ = ("MemoryLimiter",)
@@ -418,7 +418,15 @@ class MemoryLimiter(BuiltinLimiter[W]):
             lock.release()
         _wake(wakers)
         if climbed:
-            self._limit_changed(limit, limit + 1, "recovered")
+            self._recovered(limit)
+
+    @ki_unprotected
+    def _recovered(self, limit: int) -> None:
+        """Tell the subscribers that a release raised the limit by one, out of trio's
+        `KeyboardInterrupt` protection of `release_nowait`: a Ctrl-C reaches them at once.
+        (Only a request's own task releases with a success, never a trio system task, which
+        must not raise.)"""
+        self._limit_changed(limit, limit + 1, "recovered")
 
     # -- what the slot lifecycle uses (looked up on the class) ----------------------------
 

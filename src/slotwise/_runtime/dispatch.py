@@ -11,7 +11,6 @@ from typing import Any
 
 from .._events import ConcurrencyEvent
 from . import collector
-from .loop import ki_unprotected
 
 __all__ = ("Callback", "emit", "subscribe", "wants")
 
@@ -108,7 +107,6 @@ def wants(limiter: Any) -> bool:
     return bool(_everywhere) or _callbacks(limiter) is not None
 
 
-@ki_unprotected  # it runs the subscribers, which a release may call under trio's protection
 def emit(limiter: Any, event: ConcurrencyEvent, *, worker: bool = False) -> None:
     """Deliver ``event``; a callback that raises is logged and never reaches the slot (only
     ``KeyboardInterrupt`` and ``SystemExit`` go on). The event of a request that the garbage

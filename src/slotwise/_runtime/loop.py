@@ -289,7 +289,8 @@ def ki_protected(fn: _F) -> _F:
 def ki_unprotected(fn: _F) -> _F:
     """Mark ``fn``, which runs the user's code (event subscribers), as code where trio raises
     ``KeyboardInterrupt`` at once even when a `ki_protected` function calls it: a Ctrl-C must
-    not wait for a subscriber to return (or for ever, if it blocks)."""
+    not wait for a subscriber to return (or for ever, if it blocks). Never for code that a
+    trio system task runs: one must not raise (trio fails with `TrioInternalError`)."""
     return _ki_mark(fn, False)
 
 
